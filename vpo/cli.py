@@ -1,0 +1,1 @@
+def main(): raise SystemExit('vpo CLI: under construction')
