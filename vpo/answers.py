@@ -139,9 +139,9 @@ def text_key(answer: str) -> str:
     return " ".join(answer.split())
 
 
-def vector_key(row: np.ndarray) -> tuple[float, ...]:
-    """Identical-reward key (NaN compares equal to NaN)."""
-    return tuple(float("nan") if np.isnan(v) else round(float(v), 12) for v in np.asarray(row, dtype=float))
+def vector_key(row: np.ndarray) -> tuple[float | None, ...]:
+    """Identical-reward key; an absent (NaN) dimension keys as None so two NaNs compare equal."""
+    return tuple(None if np.isnan(v) else round(float(v), 12) for v in np.asarray(row, dtype=float))
 
 
 def pad_rows(rows: np.ndarray, m: int, present: np.ndarray | None = None) -> np.ndarray:

@@ -1,0 +1,121 @@
+"""Metrics checked against brute-force enumeration of subsets and known values."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vpo import metrics as M
+
+
+def brute_best_at_k(scores: list[float], k: int) -> float:
+    subsets = list(itertools.combinations(scores, k))
+    return float(np.mean([max(s) for s in subsets]))
+
+
+def brute_pool_best_at_k(chains: np.ndarray, k: int) -> float:
+    """Enumerate every ordered draw of ceil(k/m) chains, concatenate, keep the first k answers."""
+    n, m = chains.shape
+    need = math.ceil(k / m)
+    vals = []
+    for order in itertools.permutations(range(n), need):
+        pool = np.concatenate([chains[j] for j in order])[:k]
+        pool = np.where(np.isnan(pool), 0.0, pool)
+        vals.append(pool.max())
+    return float(np.mean(vals))
+
+
+def test_pass_at_k_known_values() -> None:
+    assert M.pass_at_k(10, 0, 5) == 0.0
+    assert M.pass_at_k(10, 10, 1) == 1.0
+    assert M.pass_at_k(10, 6, 5) == 1.0  # n - c < k
+    assert M.pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert M.pass_at_k(4, 1, 2) == pytest.approx(0.5)
+    assert M.pass_at_k(200, 13, 10) == pytest.approx(1 - math.comb(187, 10) / math.comb(200, 10), rel=1e-12)
+    with pytest.raises(ValueError):
+        M.pass_at_k(5, 6, 1)
+    with pytest.raises(ValueError):
+        M.pass_at_k(5, 1, 6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(0, 1, allow_nan=False), min_size=1, max_size=8), st.data())
+def test_best_at_k_equals_enumeration(scores: list[float], data: st.DataObject) -> None:
+    k = data.draw(st.integers(1, len(scores)))
+    assert M.best_at_k(scores, k) == pytest.approx(brute_best_at_k(scores, k), abs=1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.booleans(), min_size=1, max_size=12), st.data())
+def test_best_at_k_on_binary_equals_pass_at_k(bits: list[bool], data: st.DataObject) -> None:
+    k = data.draw(st.integers(1, len(bits)))
+    assert M.best_at_k([float(b) for b in bits], k) == pytest.approx(M.pass_at_k(len(bits), sum(bits), k), abs=1e-12)
+
+
+def test_best_at_k_monotone_in_k_and_bounds() -> None:
+    rng = np.random.default_rng(0)
+    s = rng.random(30)
+    vals = [M.best_at_k(s, k) for k in range(1, 31)]
+    assert vals[0] == pytest.approx(s.mean())
+    assert vals[-1] == pytest.approx(s.max())
+    assert all(b >= a - 1e-12 for a, b in zip(vals, vals[1:]))
+    rows = M.best_at_k(np.stack([s, s[::-1]]), 5)
+    np.testing.assert_allclose(rows, [vals[4], vals[4]])
+    # large n stays finite and exact-ish (coefficients sum to 1)
+    assert M.best_at_k_coefficients(5000, 37).sum() == pytest.approx(1.0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 5), st.integers(1, 3), st.data())
+def test_pool_best_at_k_equals_enumeration(n: int, m: int, data: st.DataObject) -> None:
+    k = data.draw(st.integers(1, n * m))
+    chains = np.array(data.draw(st.lists(st.lists(st.sampled_from([0.0, 0.25, 0.5, 1.0, np.nan]), min_size=m,
+                                                            max_size=m), min_size=n, max_size=n)))
+    assert M.pool_best_at_k(chains, k) == pytest.approx(brute_pool_best_at_k(chains, k), abs=1e-12)
+
+
+def test_pool_with_m1_is_best_at_k_and_fair_rollouts() -> None:
+    s = np.array([0.1, 0.7, 0.3, 0.9])
+    assert M.pool_best_at_k(s[:, None], 2) == pytest.approx(M.best_at_k(s, 2))
+    assert [M.fair_num_rollouts(k, 3) for k in (1, 3, 4, 30)] == [1, 1, 2, 10]
+    assert M.fair_num_rollouts(5, 1) == 5
+    with pytest.raises(ValueError, match="needs 4 rollouts"):
+        M.pool_best_at_k(np.zeros((3, 3)), 10)
+
+
+def test_expected_weighted_best_at_k() -> None:
+    r = np.array([[1.0, 0.0], [0.0, 1.0]])
+    w = np.array([[1.0, 0.0], [0.0, 1.0], [0.5, 0.5]])
+    # k=2 picks both answers: max is 1, 1, 0.5
+    assert M.expected_weighted_best_at_k(r, 2, weights=w) == pytest.approx((1 + 1 + 0.5) / 3)
+    # k=1: average of scalarised values
+    assert M.expected_weighted_best_at_k(r, 1, weights=w) == pytest.approx(0.5)
+    # Dir(1) on 2 dims: E max(w1, w2) = 3/4
+    assert M.expected_weighted_best_at_k(r, 2, num_weights=20000, seed=1) == pytest.approx(0.75, abs=0.01)
+    # NaN (absent) dims are ignored
+    r_nan = np.array([[1.0, 0.0, np.nan], [0.0, 1.0, np.nan]])
+    assert M.expected_weighted_best_at_k(r_nan, 2, num_weights=20000, seed=1) == pytest.approx(0.75, abs=0.01)
+
+
+def test_reward_diversity_and_pareto_fraction() -> None:
+    r = np.array([[1.0, 0.0], [0.0, 1.0], [0.5, 0.5], [0.2, 0.2]])
+    pairs = list(itertools.combinations(range(4), 2))
+    expected = np.mean([np.abs(r[i] - r[j]).sum() for i, j in pairs])
+    assert M.reward_diversity(r) == pytest.approx(expected)
+    assert M.reward_diversity(r[:1]) == 0.0
+    assert M.reward_diversity(np.repeat(r[:1], 5, 0)) == 0.0
+    assert M.pareto_fraction(r) == pytest.approx(0.75)  # [0.2, 0.2] is dominated by [0.5, 0.5]
+    assert M.pareto_fraction(np.repeat(r[:1], 3, 0)) == 1.0  # equal points do not dominate each other
+
+
+def test_mean_offdiag_correlation() -> None:
+    rng = np.random.default_rng(0)
+    x = rng.random(200)
+    r = np.stack([x, x, 1 - x], 1)
+    assert M.mean_offdiag_correlation(r) == pytest.approx((1 - 1 - 1) / 3)
+    assert math.isnan(M.mean_offdiag_correlation(np.ones((5, 3))))

@@ -1,0 +1,171 @@
+"""Test-time search metrics: unbiased pass@k and best@k, E_w[best@k], diversity, Pareto fraction,
+and fair pools for multi-answer methods (VPO_SPEC section 2).
+
+All estimators are exact expectations over subsets drawn without replacement, so they agree with
+brute-force enumeration for small n (see tests) and carry no Monte-Carlo noise of their own.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = [
+    "pass_at_k",
+    "best_at_k",
+    "best_at_k_coefficients",
+    "expected_weighted_best_at_k",
+    "dirichlet_weights",
+    "reward_diversity",
+    "pareto_fraction",
+    "fair_num_rollouts",
+    "pool_best_at_k",
+    "mean_offdiag_correlation",
+]
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k = 1 - C(n-c, k)/C(n, k) (Chen et al. 2021), in the stable product form."""
+    if not 0 <= c <= n:
+        raise ValueError(f"need 0 <= c <= n, got n={n}, c={c}")
+    if not 1 <= k <= n:
+        raise ValueError(f"need 1 <= k <= n, got k={k}, n={n}")
+    if n - c < k:
+        return 1.0
+    return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1, dtype=np.float64)))
+
+
+def best_at_k_coefficients(n: int, k: int) -> np.ndarray:
+    """Weights c_i (i = 1..n, ascending order) with E[max of k of n] = sum_i c_i r_(i).
+
+    c_i = C(i-1, k-1) / C(n, k); computed by the ratio c_{i-1} = c_i (i-k)/(i-1) from c_n = k/n.
+    """
+    if not 1 <= k <= n:
+        raise ValueError(f"need 1 <= k <= n, got k={k}, n={n}")
+    coef = np.zeros(n, dtype=np.float64)
+    coef[n - 1] = k / n
+    for i in range(n, k, -1):  # fill c_{i-1} for i = n..k+1 (1-based)
+        coef[i - 2] = coef[i - 1] * (i - k) / (i - 1)
+    return coef
+
+
+def best_at_k(scores: Sequence[float] | np.ndarray, k: int) -> float:
+    """Unbiased expected max of k scores drawn without replacement from the n given (PKPO's rho).
+
+    On 0/1 scores this equals :func:`pass_at_k`. Works along the last axis for 2-D input,
+    returning one value per row (as a float array).
+    """
+    arr = np.asarray(scores, dtype=np.float64)
+    if arr.ndim == 0 or arr.shape[-1] == 0:
+        raise ValueError("best_at_k needs at least one score")
+    if np.isnan(arr).any():
+        raise ValueError("best_at_k got NaN scores")
+    coef = best_at_k_coefficients(arr.shape[-1], k)
+    out = np.sort(arr, axis=-1) @ coef
+    return float(out) if arr.ndim == 1 else out
+
+
+def dirichlet_weights(d: int, num: int, alpha: float = 1.0, seed: int = 0) -> np.ndarray:
+    """(num, d) weightings w ~ Dir(alpha), seeded (evaluation uses fixed, reproducible draws)."""
+    return np.random.default_rng(seed).dirichlet(np.full(d, alpha), size=num)
+
+
+def _scalarise(rewards: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """(K, n) matrix of w_k . r_i with NaN (absent) dims ignored and weights renormalised over the
+    dims present in the pool."""
+    r = np.asarray(rewards, dtype=np.float64)
+    present = ~np.isnan(r).all(axis=0)
+    w = np.asarray(weights, dtype=np.float64) * present
+    w = w / np.where(w.sum(1, keepdims=True) > 0, w.sum(1, keepdims=True), 1.0)
+    return w @ np.nan_to_num(r).T
+
+
+def expected_weighted_best_at_k(
+    rewards: np.ndarray, k: int, *, num_weights: int = 100, alpha: float = 1.0, seed: int = 0,
+    weights: np.ndarray | None = None,
+) -> float:
+    """E over w ~ Dir(alpha) of best@k of w . r for an (n, d) pool of reward vectors."""
+    r = np.asarray(rewards, dtype=np.float64)
+    if r.ndim != 2:
+        raise ValueError(f"rewards must be (n, d), got shape {r.shape}")
+    w = dirichlet_weights(r.shape[1], num_weights, alpha, seed) if weights is None else weights
+    return float(np.mean(best_at_k(_scalarise(r, w), k)))
+
+
+def reward_diversity(rewards: np.ndarray) -> float:
+    """Mean pairwise L1 distance between reward vectors (NaN dims ignored); 0 for fewer than 2."""
+    r = np.asarray(rewards, dtype=np.float64)
+    if r.ndim != 2:
+        raise ValueError(f"rewards must be (n, d), got shape {r.shape}")
+    n = r.shape[0]
+    if n < 2:
+        return 0.0
+    diff = np.abs(r[:, None, :] - r[None, :, :])
+    dist = np.nansum(diff, axis=-1)
+    iu = np.triu_indices(n, 1)
+    return float(dist[iu].mean())
+
+
+def pareto_fraction(rewards: np.ndarray) -> float:
+    """Fraction of the pool that no other member dominates (>= on all dims, > on one)."""
+    r = np.nan_to_num(np.asarray(rewards, dtype=np.float64), nan=0.0)
+    if r.ndim != 2 or r.shape[0] == 0:
+        raise ValueError(f"rewards must be a non-empty (n, d) matrix, got shape {r.shape}")
+    ge = (r[:, None, :] >= r[None, :, :]).all(-1)
+    gt = (r[:, None, :] > r[None, :, :]).any(-1)
+    dominated = (ge & gt).any(axis=0)  # column j dominated by some row i
+    return float(1.0 - dominated.mean())
+
+
+def fair_num_rollouts(k: int, m: int) -> int:
+    """Rollouts a method with m answers per rollout gets for a budget of k candidates: ceil(k/m)."""
+    if k < 1 or m < 1:
+        raise ValueError(f"need k >= 1 and m >= 1, got k={k}, m={m}")
+    return math.ceil(k / m)
+
+
+def pool_best_at_k(chain_scores: np.ndarray, k: int) -> float:
+    """Unbiased best@k for a fair pool built from multi-answer chains.
+
+    ``chain_scores`` is (n, m): n iid rollouts ("chains") with m answer slots each (NaN or -inf =
+    no answer in that slot; such a slot never wins). The pool is ceil(k/m) chains drawn without
+    replacement with their answers concatenated and the first k kept, so every chain contributes
+    all m answers except the last, which contributes its first k mod m. With m = 1 this is
+    :func:`best_at_k`. Exact: averages over which drawn chain is the partial one.
+    """
+    s = np.asarray(chain_scores, dtype=np.float64)
+    if s.ndim != 2:
+        raise ValueError(f"chain_scores must be (n, m), got shape {s.shape}")
+    n, m = s.shape
+    full_chains, rest = divmod(k, m)
+    need = full_chains + (1 if rest else 0)
+    if need > n:
+        raise ValueError(f"best@{k} with m={m} needs {need} rollouts, only {n} given")
+    missing = ~np.isfinite(s)
+    floor = float(min(0.0, s[~missing].min())) if (~missing).any() else 0.0  # "no answer" scores floor
+    s = np.where(missing, floor, s)
+    full = s.max(axis=1)
+    if rest == 0:
+        return best_at_k(full, full_chains)
+    partial = s[:, :rest].max(axis=1)
+    if full_chains == 0:
+        return float(partial.mean())
+    total = 0.0
+    for j in range(n):  # chain j is the partial one; the full ones come from the other n-1
+        total += best_at_k(np.maximum(np.delete(full, j), partial[j]), full_chains)
+    return total / n
+
+
+def mean_offdiag_correlation(rewards: np.ndarray) -> float:
+    """rho-bar (VPO App. F): mean off-diagonal Pearson correlation of the reward dimensions;
+    constant dimensions are left out. NaN if fewer than 2 varying dimensions."""
+    r = np.asarray(rewards, dtype=np.float64)
+    keep = (~np.isnan(r).any(0)) & (np.nanstd(r, axis=0) > 0)
+    r = r[:, keep]
+    if r.shape[1] < 2:
+        return float("nan")
+    c = np.corrcoef(r, rowvar=False)
+    iu = np.triu_indices(c.shape[0], 1)
+    return float(c[iu].mean())
