@@ -28,6 +28,8 @@ __all__ = [
     "group_zscore",
     "sample_weights",
     "vpo_scores",
+    "present_dims",
+    "masked_normalise",
     "vpo_advantage",
     "grpo_advantage",
     "gdpo_advantage",
@@ -141,7 +143,7 @@ def group_zscore(scores: torch.Tensor, gidx: torch.Tensor, n_groups: int, eps: f
     return torch.where(std[gidx] < eps, torch.zeros_like(adv), adv)
 
 
-def _present_dims(batch: RewardBatch, gidx: torch.Tensor, n_groups: int) -> torch.Tensor:
+def present_dims(batch: RewardBatch, gidx: torch.Tensor, n_groups: int) -> torch.Tensor:
     """(G, d) bool: a dimension is present in a group if any real answer there has it non-NaN."""
     finite = (~torch.isnan(batch.values)) & batch.rows[:, :, None]
     per_rollout = finite.any(dim=1).to(torch.float64)
@@ -163,7 +165,7 @@ def _fixed_weights(w_star: ArrayLike | None, d: int) -> torch.Tensor:
     return w
 
 
-def _masked_normalise(w: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
+def masked_normalise(w: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
     """Zero absent dims and renormalise to the simplex. w: (..., d); present broadcastable."""
     w = w * present.to(w.dtype)
     total = w.sum(dim=-1, keepdim=True)
@@ -264,7 +266,7 @@ def vpo_advantage(
     """VPO advantage (VPO_SPEC 1.3-1.5). ``weights`` (K, d), if given, replaces sampling for every
     group (masked and renormalised to each group's present dims). ``w_star`` is unused."""
     batch, gidx, n_groups = _prep(reward_sets, group_ids)
-    present = _present_dims(batch, gidx, n_groups)  # (G, d)
+    present = present_dims(batch, gidx, n_groups)  # (G, d)
     if weights is not None:
         w = torch.as_tensor(np.asarray(weights, dtype=np.float64))
         if w.ndim != 2 or w.shape[1] != batch.d:
@@ -272,7 +274,7 @@ def vpo_advantage(
         w = w[None].expand(n_groups, -1, -1)
     else:
         w = sample_weights(n_groups, num_weights, batch.d, alpha=alpha, sampler=sampler, generator=generator)
-    w = _masked_normalise(w, present[:, None, :])
+    w = masked_normalise(w, present[:, None, :])
     return group_zscore(vpo_scores(batch, gidx, n_groups, w), gidx, n_groups, eps)
 
 
@@ -296,8 +298,8 @@ def grpo_advantage(
 ) -> torch.Tensor:
     """Scalar GRPO: z-score of w*.r of the first answer (w* default: mean over present dims)."""
     batch, gidx, n_groups = _prep(reward_sets, group_ids)
-    present = _present_dims(batch, gidx, n_groups)
-    w = _masked_normalise(_fixed_weights(w_star, batch.d)[None], present)[gidx]
+    present = present_dims(batch, gidx, n_groups)
+    w = masked_normalise(_fixed_weights(w_star, batch.d)[None], present)[gidx]
     return group_zscore(_first_answer_scalar(batch, w), gidx, n_groups, eps)
 
 
@@ -316,10 +318,10 @@ def gdpo_advantage(
     """GDPO: z-score each present dimension of the first answer within its group, take the
     w*-weighted sum, then z-score that sum over the whole batch (as TRL/NeMo RL's GDPO)."""
     batch, gidx, n_groups = _prep(reward_sets, group_ids)
-    present = _present_dims(batch, gidx, n_groups)
+    present = present_dims(batch, gidx, n_groups)
     first = torch.where(batch.rows[:, :1], _clean(batch)[:, 0, :], torch.zeros((), dtype=torch.float64))
     per_dim = group_zscore(first, gidx, n_groups, eps)  # (N, d): each dimension normalised in its group
-    w = _masked_normalise(_fixed_weights(w_star, batch.d)[None], present)[gidx]
+    w = masked_normalise(_fixed_weights(w_star, batch.d)[None], present)[gidx]
     combined = (per_dim * w).sum(-1)
     return group_zscore(combined, torch.zeros_like(gidx), 1, eps)
 
@@ -338,8 +340,8 @@ def multi_rlvr_advantage(
 ) -> torch.Tensor:
     """Multi-RLVR: z-score of the sum over the (de-duplicated) set of w*.r; no random weights."""
     batch, gidx, n_groups = _prep(reward_sets, group_ids)
-    present = _present_dims(batch, gidx, n_groups)
-    w = _masked_normalise(_fixed_weights(w_star, batch.d)[None], present)[gidx]  # (N, d)
+    present = present_dims(batch, gidx, n_groups)
+    w = masked_normalise(_fixed_weights(w_star, batch.d)[None], present)[gidx]  # (N, d)
     per_answer = torch.einsum("nmd,nd->nm", _clean(batch), w) * batch.rows
     return group_zscore(per_answer.sum(dim=1), gidx, n_groups, eps)
 
@@ -359,14 +361,14 @@ def random_weight_grpo_advantage(
     """Random-weighting GRPO: one answer, a fresh w ~ Dir(alpha) per rollout (``weights`` (N, d)
     may be given instead), then the group z-score."""
     batch, gidx, n_groups = _prep(reward_sets, group_ids)
-    present = _present_dims(batch, gidx, n_groups)[gidx]  # (N, d)
+    present = present_dims(batch, gidx, n_groups)[gidx]  # (N, d)
     if weights is not None:
         w = torch.as_tensor(np.asarray(weights, dtype=np.float64))
         if w.shape != (batch.n, batch.d):
             raise ValueError(f"weights must be (N={batch.n}, d={batch.d}), got {tuple(w.shape)}")
     else:
         w = sample_weights(batch.n, 1, batch.d, alpha=alpha, sampler=sampler, generator=generator)[:, 0, :]
-    w = _masked_normalise(w, present)
+    w = masked_normalise(w, present)
     return group_zscore(_first_answer_scalar(batch, w), gidx, n_groups, eps)
 
 
@@ -385,8 +387,8 @@ def maxrl_advantage(
     """MaxRL (Tajwar et al.): (s - mean_g) / (mean_g + eps) on the first answer's w*.r; 0 when the
     group has no spread."""
     batch, gidx, n_groups = _prep(reward_sets, group_ids)
-    present = _present_dims(batch, gidx, n_groups)
-    w = _masked_normalise(_fixed_weights(w_star, batch.d)[None], present)[gidx]
+    present = present_dims(batch, gidx, n_groups)
+    w = masked_normalise(_fixed_weights(w_star, batch.d)[None], present)[gidx]
     s = _first_answer_scalar(batch, w)
     count = _group_sum(torch.ones_like(s), gidx, n_groups)
     mean = _group_sum(s, gidx, n_groups) / count
