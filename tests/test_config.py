@@ -1,0 +1,326 @@
+"""pipelines.yaml schema: the shipped file loads, quick/override merging, and one clear ConfigError
+naming file, pipeline, dotted key (and line) for every kind of mistake."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from vpo.config import ConfigError, PipelineConfig, deep_merge, load_all, load_pipeline, pipeline_names
+
+REPO = Path(__file__).resolve().parents[1]
+PIPELINES = REPO / "pipelines.yaml"
+
+
+def minimal(**sections: Any) -> dict[str, Any]:
+    """A small valid pipeline body; keyword sections replace the defaults."""
+    body: dict[str, Any] = {
+        "task": {"name": "route"},
+        "model": {"builder": "tiny"},
+        "arms": [{"name": "grpo", "estimator": "grpo"}, {"name": "vpo", "estimator": "vpo", "m": 3}],
+        "evaluation": {"k": [1, 2], "n_samples": 4},
+    }
+    body.update(sections)
+    return body
+
+
+def write(tmp_path: Path, pipelines: dict[str, Any], **top: Any) -> Path:
+    path = tmp_path / "pipelines.yaml"
+    path.write_text(yaml.safe_dump({"version": 1, **top, "pipelines": pipelines}, sort_keys=False))
+    return path
+
+
+def problems(exc: ConfigError) -> dict[str, str]:
+    """Map dotted key (line suffix stripped) -> message."""
+    return {key.split(" (line")[0]: msg for key, msg in exc.problems}
+
+
+# --------------------------------------------------------------------------- the shipped file
+
+
+def test_shipped_file_loads_every_pipeline_and_variant() -> None:
+    cfgs = load_all(PIPELINES)
+    assert list(cfgs) == ["route", "code-qwen-coder"]
+    assert pipeline_names(PIPELINES)[0] == "route"
+    quick = load_all(PIPELINES, quick=True)
+    assert quick["route"].quick and not cfgs["route"].quick
+    assert not quick["code-qwen-coder"].quick  # no quick section: base config
+
+
+def test_route_is_the_embedded_default_with_the_three_arms() -> None:
+    cfg = load_pipeline(path=PIPELINES)
+    assert cfg.name == "route" and cfg.task.name == "route"
+    assert cfg.model.builder == "tiny" and cfg.model.path_or_id is None
+    arms = {a.name: a for a in cfg.arms}
+    assert [a.name for a in cfg.enabled_arms] == ["grpo", "vpo", "grpo_x3"]
+    assert (arms["grpo"].estimator, arms["grpo"].m) == ("grpo", 1)
+    assert (arms["vpo"].estimator, arms["vpo"].m) == ("vpo", 3)
+    # compute-matched arm: single answer, as many generated answers per prompt as VPO's m=3
+    assert arms["grpo_x3"].m == 1
+    assert arms["grpo_x3"].rollouts_per_prompt == arms["vpo"].num_generations * arms["vpo"].m
+    assert arms["multi_rlvr"].enabled is False
+    assert cfg.evaluation.k == [1, 3, 5, 10, 30]
+    assert cfg.trainer.num_weights == 100 and cfg.trainer.alpha == 1.0
+
+
+def test_gpu_example_uses_a_hub_model_and_vllm() -> None:
+    cfg = load_pipeline("code-qwen-coder", PIPELINES)
+    assert cfg.task.name == "code"
+    assert cfg.model.path_or_id == "Qwen/Qwen2.5-Coder-7B-Instruct" and not cfg.model.is_local_path
+    assert cfg.trainer.generation_backend == "vllm"
+    assert cfg.resolve_path(cfg.trainer.accelerate_config).is_file()
+    assert cfg.storage.registry.startswith("s3://")
+
+
+def test_route_task_params_build_the_registered_task() -> None:
+    from vpo.tasks import available_tasks, get_task
+
+    if "route" not in available_tasks():
+        pytest.skip("route task not available")
+    for quick in (False, True):
+        cfg = load_pipeline("route", PIPELINES, quick=quick)
+        task = get_task(cfg.task.name, **cfg.task.params)
+        assert task.name == "route"
+    assert cfg.task.params["n_train"] == 64 and cfg.task.params["size"] == 6  # quick merged into params
+
+
+def test_loading_imports_no_task_torch_prefect_dvc_or_gx() -> None:
+    code = (
+        "import sys, vpo.config as c; c.load_all(sys.argv[1]); c.load_pipeline('route', sys.argv[1], quick=True);"
+        "heavy=('vpo.tasks','torch','prefect','dvc','great_expectations','transformers','trl');"
+        "print([m for m in sys.modules if m.split('.')[0] in heavy or m.startswith('vpo.tasks')])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(PIPELINES)], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]"
+
+
+def test_params_are_json_and_round_trip() -> None:
+    cfg = load_pipeline("route", PIPELINES)
+    data = json.loads(json.dumps(cfg.params()))
+    again = PipelineConfig.model_validate(data, context={"base_dir": PIPELINES.parent})
+    assert again.params() == cfg.params() and again.arm("vpo") == cfg.arm("vpo")
+
+
+# --------------------------------------------------------------------------- quick and overrides
+
+
+def test_quick_overrides_deep_merge_and_merge_arms_by_name() -> None:
+    base = load_pipeline("route", PIPELINES)
+    quick = load_pipeline("route", PIPELINES, quick=True)
+    raw = yaml.safe_load(PIPELINES.read_text())["pipelines"]["route"]["quick"]
+    assert quick.trainer.steps == raw["trainer"]["steps"] < base.trainer.steps
+    assert quick.trainer.lr == base.trainer.lr  # untouched keys keep the base value
+    assert quick.arm("vpo").seeds == [0] and quick.arm("vpo").m == base.arm("vpo").m
+    assert quick.arm("multi_rlvr") == base.arm("multi_rlvr")  # not mentioned: unchanged
+    assert quick.evaluation.n_samples >= max(quick.evaluation.k)
+
+
+def test_dotted_overrides_apply_last_and_are_validated(tmp_path: Path) -> None:
+    path = write(tmp_path, {"p": minimal(quick={"trainer": {"steps": 3}})})
+    cfg = load_pipeline("p", path, quick=True, overrides={"trainer.lr": 0.1, "arms.vpo.m": 5})
+    assert (cfg.trainer.steps, cfg.trainer.lr, cfg.arm("vpo").m, cfg.quick) == (3, 0.1, 5, True)
+    with pytest.raises(ConfigError) as err:
+        load_pipeline("p", path, overrides={"trainer.steps": "lots"})
+    assert "pipelines.p.trainer.steps" in problems(err.value)
+    with pytest.raises(ConfigError, match="no item named 'nope'"):
+        load_pipeline("p", path, overrides={"arms.nope.m": 2})
+
+
+def test_deep_merge_does_not_mutate_inputs() -> None:
+    base = {"a": {"b": 1, "c": [1, 2]}, "arms": [{"name": "x", "m": 1}]}
+    merged = deep_merge(base, {"a": {"b": 2}, "arms": {"x": {"m": 3}}})
+    assert merged == {"a": {"b": 2, "c": [1, 2]}, "arms": [{"name": "x", "m": 3}]}
+    assert base == {"a": {"b": 1, "c": [1, 2]}, "arms": [{"name": "x", "m": 1}]}
+
+
+def test_quick_without_section_is_an_error(tmp_path: Path) -> None:
+    path = write(tmp_path, {"p": minimal()})
+    with pytest.raises(ConfigError, match="no 'quick:' section"):
+        load_pipeline("p", path, quick=True)
+
+
+def test_a_broken_quick_section_fails_even_when_not_requested(tmp_path: Path) -> None:
+    path = write(tmp_path, {"p": minimal(quick={"trainer": {"steps": 0}})})
+    with pytest.raises(ConfigError) as err:
+        load_pipeline("p", path)
+    assert "quick" in str(err.value) and "pipelines.p.trainer.steps" in problems(err.value)
+    assert "greater than 0" in problems(err.value)["pipelines.p.trainer.steps"]
+
+
+def test_quick_arm_that_does_not_exist(tmp_path: Path) -> None:
+    path = write(tmp_path, {"p": minimal(quick={"arms": {"ghost": {"m": 2}}})})
+    with pytest.raises(ConfigError, match=r"pipelines\.p\.quick\.arms\.ghost: no item named 'ghost'"):
+        load_pipeline("p", path)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_unknown_key_names_file_pipeline_key_line_and_allowed_keys(tmp_path: Path) -> None:
+    body = minimal(trainer={"steps": 10, "stpes": 5})
+    path = write(tmp_path, {"p": body})
+    with pytest.raises(ConfigError) as err:
+        load_pipeline("p", path)
+    exc = err.value
+    msg = str(exc)
+    assert str(path.resolve()) in msg and "pipeline 'p'" in msg
+    key, text = next((k, m) for k, m in exc.problems if "stpes" in k)
+    assert key.startswith("pipelines.p.trainer.stpes (line ")
+    line = int(key.split("line ")[1].rstrip(")"))
+    assert "stpes" in path.read_text().splitlines()[line - 1]
+    assert text.startswith("unknown key") and "steps" in text and "prompts_per_step" in text
+    assert exc.file == str(path.resolve()) and exc.pipeline == "p"
+
+
+def test_wrong_types_are_named_with_expectation(tmp_path: Path) -> None:
+    body = minimal(
+        trainer={"lr": "fast", "sampler": "grid"},
+        arms=[{"name": "grpo", "estimator": "ppo", "m": "three"}],
+    )
+    with pytest.raises(ConfigError) as err:
+        load_pipeline("p", write(tmp_path, {"p": body}))
+    found = problems(err.value)
+    assert (
+        "valid number" in found["pipelines.p.trainer.lr"]
+        and "'fast' (str)" in found["pipelines.p.trainer.lr"]
+    )
+    assert "'dirichlet' or 'sobol'" in found["pipelines.p.trainer.sampler"]
+    assert (
+        "'vpo'" in found["pipelines.p.arms[0].estimator"]
+        and "'ppo'" in found["pipelines.p.arms[0].estimator"]
+    )
+    assert "valid integer" in found["pipelines.p.arms[0].m"]
+    assert len(err.value.problems) == 4  # every problem at once, one exception
+
+
+def test_missing_required_section(tmp_path: Path) -> None:
+    body = minimal()
+    del body["task"]
+    with pytest.raises(ConfigError) as err:
+        load_pipeline("p", write(tmp_path, {"p": body}))
+    assert problems(err.value) == {"pipelines.p.task": "required key is missing"}
+
+
+def test_missing_local_model_path_is_named(tmp_path: Path) -> None:
+    path = write(tmp_path, {"p": minimal(model={"path_or_id": "./models/policy"})})
+    with pytest.raises(ConfigError) as err:
+        load_pipeline("p", path)
+    msg = problems(err.value)["pipelines.p.model.path_or_id"]
+    assert "does not exist" in msg and str(tmp_path / "models" / "policy") in msg
+
+
+def test_local_model_path_resolves_against_the_file_and_needs_a_config(tmp_path: Path) -> None:
+    model_dir = tmp_path / "models" / "policy"
+    model_dir.mkdir(parents=True)
+    path = write(tmp_path, {"p": minimal(model={"path_or_id": "./models/policy"})})
+    with pytest.raises(ConfigError, match="not a model folder"):
+        load_pipeline("p", path)
+    (model_dir / "config.json").write_text("{}")
+    cfg = load_pipeline("p", path)
+    assert cfg.model.is_local_path and cfg.resolve_path(cfg.model.path_or_id) == model_dir
+
+
+@pytest.mark.parametrize(
+    ("model", "fragment"),
+    [
+        ({"builder": "tiny", "path_or_id": "org/name"}, "exactly one"),
+        ({}, "exactly one"),
+        ({"builder": "huge"}, "'tiny'"),
+        ({"path_or_id": "hf://org/name"}, "got URL"),
+        ({"path_or_id": "bad id!"}, "hub id"),
+    ],
+)
+def test_model_section_errors(tmp_path: Path, model: dict[str, Any], fragment: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_pipeline("p", write(tmp_path, {"p": minimal(model=model)}))
+    assert any(key.startswith("pipelines.p.model") and fragment in msg for key, msg in err.value.problems), (
+        err.value
+    )
+
+
+@pytest.mark.parametrize(
+    ("storage", "fragment"),
+    [
+        ({"registry": "s3://AB/reg"}, "valid bucket name"),
+        ({"registry": "gs://bucket/reg"}, "local path or an s3:// URL"),
+        ({"dvc_remote": "s3://user:pass@bucket/x"}, "must not embed credentials"),
+    ],
+)
+def test_storage_url_errors(tmp_path: Path, storage: dict[str, Any], fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        load_pipeline("p", write(tmp_path, {"p": minimal(storage=storage)}))
+
+
+def test_semantic_cross_field_checks(tmp_path: Path) -> None:
+    body = minimal(
+        evaluation={"k": [1, 5, 10], "n_samples": 5},
+        arms=[{"name": "a", "estimator": "grpo"}, {"name": "a", "estimator": "vpo", "seeds": [1, 1]}],
+        trainer={"generation_backend": "vllm", "vllm_mode": "server"},
+    )
+    with pytest.raises(ConfigError) as err:
+        load_pipeline("p", write(tmp_path, {"p": body}))
+    found = problems(err.value)
+    assert "largest k (10)" in found["pipelines.p.evaluation"]
+    assert "seeds must be unique" in found["pipelines.p.arms[1].seeds"]
+    assert "vllm_server_url" in found["pipelines.p.trainer"]
+
+
+def test_duplicate_arm_names_and_all_disabled(tmp_path: Path) -> None:
+    dup = minimal(arms=[{"name": "a", "estimator": "grpo"}, {"name": "a", "estimator": "vpo"}])
+    with pytest.raises(ConfigError, match="duplicated: a"):
+        load_pipeline("p", write(tmp_path, {"p": dup}))
+    off = minimal(arms=[{"name": "a", "estimator": "grpo", "enabled": False}])
+    with pytest.raises(ConfigError, match="at least one arm must be enabled"):
+        load_pipeline("p", write(tmp_path, {"p": off}))
+
+
+def test_dataset_source_must_exist_locally(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"dataset source 'data/rows.parquet' does not exist"):
+        load_pipeline("p", write(tmp_path, {"p": minimal(dataset={"source": "data/rows.parquet"})}))
+    cfg = load_pipeline(
+        "p", write(tmp_path, {"p": minimal(dataset={"source": "s3://bucket-a/rows.parquet"})})
+    )
+    assert cfg.dataset.source == "s3://bucket-a/rows.parquet"
+
+
+def test_missing_file_unknown_pipeline_bad_yaml_and_bad_top_level(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="file not found") as err:
+        load_pipeline("p", tmp_path / "nope.yaml")
+    assert "nope.yaml" in str(err.value)
+    path = write(tmp_path, {"p": minimal()})
+    with pytest.raises(ConfigError, match=r"no pipeline named 'q'; defined: p"):
+        load_pipeline("q", path)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("version: 1\npipelines:\n  p: {task: [\n")
+    with pytest.raises(ConfigError, match=r"not valid YAML: line \d+"):
+        load_pipeline("p", broken)
+    with pytest.raises(
+        ConfigError, match=r"extra \(line \d+\): unknown key; allowed keys: version, default, pipelines"
+    ):
+        load_pipeline("p", write(tmp_path, {"p": minimal()}, extra=1))
+    with pytest.raises(ConfigError, match="default pipeline 'zzz' is not defined; defined: p"):
+        load_pipeline("p", write(tmp_path, {"p": minimal()}, default="zzz"))
+
+
+def test_name_inside_body_must_match_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="must match the key"):
+        load_pipeline("p", write(tmp_path, {"p": minimal(name="other")}))
+
+
+def test_load_all_reports_problems_of_every_pipeline_together(tmp_path: Path) -> None:
+    path = write(
+        tmp_path, {"a": minimal(sft={"steps": -1}), "b": minimal(trainer={"beta": -0.5}), "c": minimal()}
+    )
+    with pytest.raises(ConfigError) as err:
+        load_all(path)
+    keys = {k.split(" (line")[0] for k, _ in err.value.problems}
+    assert keys == {"pipelines.a.sft.steps", "pipelines.b.trainer.beta"}
+    assert load_pipeline("c", path).name == "c"  # a single good pipeline still loads

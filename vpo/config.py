@@ -1,0 +1,744 @@
+"""Typed schema and loader for ``pipelines.yaml``.
+
+The file holds named pipelines::
+
+    version: 1
+    default: route              # the pipeline used when none is named
+    pipelines:
+      route: {task: ..., model: ..., arms: [...], trainer: ..., quick: {...}}
+
+Every section is a strict pydantic model (``extra="forbid"``). Any problem — an unknown key, a
+wrong type, a missing local file — is collected and raised as ONE :class:`ConfigError` naming the
+file, the pipeline, each dotted key path (with its YAML line) and what was expected, before any
+work starts. Loading imports nothing heavy: no tasks, torch, Prefect or DVC.
+
+``quick:`` inside a pipeline is a partial mapping deep-merged on top of it when loading with
+``quick=True`` (tests, smoke runs). Mappings merge key by key, other values are replaced, and a
+mapping given for ``arms`` merges into the arms by name (``quick: {arms: {vpo: {seeds: [0]}}}``).
+Relative paths in the file are resolved against the folder holding the file.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    PositiveFloat,
+    PositiveInt,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+__all__ = [
+    "ESTIMATORS",
+    "ArmConfig",
+    "ConfigError",
+    "DatasetConfig",
+    "EvaluationConfig",
+    "ModelConfig",
+    "PipelineConfig",
+    "PipelinesFile",
+    "SFTConfig",
+    "SearchConfig",
+    "StorageConfig",
+    "TaskConfig",
+    "TrainerConfig",
+    "deep_merge",
+    "load_all",
+    "load_pipeline",
+    "pipeline_names",
+]
+
+DEFAULT_PATH = "pipelines.yaml"
+
+Estimator = Literal["grpo", "vpo", "gdpo", "multi_rlvr", "random_weight_grpo", "maxrl"]
+ESTIMATORS: tuple[str, ...] = ("grpo", "vpo", "gdpo", "multi_rlvr", "random_weight_grpo", "maxrl")
+LossType = Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"]
+
+_NAME_RE = r"^[a-z0-9][a-z0-9_-]*$"  # used in file names, DVC stage names and Prefect keys
+_HUB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+_S3_RE = re.compile(r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$")
+_URL_CREDENTIALS = re.compile(r"^[a-z][a-z0-9+.-]*://[^/@]*:[^/@]*@", re.IGNORECASE)
+
+
+class ConfigError(ValueError):
+    """An invalid ``pipelines.yaml``: one exception listing every problem with file, pipeline and key."""
+
+    def __init__(
+        self, file: str | os.PathLike[str], pipeline: str | None, problems: Sequence[tuple[str, str]]
+    ):
+        self.file = str(file)
+        self.pipeline = pipeline
+        self.problems = list(problems)
+        where = f"{self.file}" + (f", pipeline {pipeline!r}" if pipeline else "")
+        lines = [f"invalid pipeline config in {where}: {len(self.problems)} problem(s)"]
+        lines += [f"  - {key}: {msg}" if key else f"  - {msg}" for key, msg in self.problems]
+        super().__init__("\n".join(lines))
+
+
+# --------------------------------------------------------------------------- schema
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+def _base_dir(info: ValidationInfo) -> Path:
+    ctx = info.context or {}
+    return Path(ctx.get("base_dir", "."))
+
+
+def _looks_local(value: str) -> bool:
+    """Heuristic: explicit relative/absolute/home paths or deeper than ``org/name`` are local paths."""
+    return (
+        value.startswith(("/", "./", "../", "~", ".\\"))
+        or value in (".", "..")
+        or value.count("/") >= 2
+        or value.endswith("/")
+        or "\\" in value
+    )
+
+
+def _check_local_url(value: str, what: str) -> str:
+    """Accept a local path or ``s3://bucket/prefix``; reject other schemes and embedded credentials."""
+    if _URL_CREDENTIALS.match(value):
+        raise ValueError(f"{what} must not embed credentials; use the AWS_* environment variables")
+    if value.startswith("s3://"):
+        if not _S3_RE.match(value):
+            raise ValueError(f"expected s3://<bucket>/<prefix> with a valid bucket name, got {value!r}")
+        return value
+    if "://" in value and not value.startswith("file://"):
+        raise ValueError(f"expected a local path or an s3:// URL for {what}, got {value!r}")
+    return value
+
+
+class TaskConfig(_Strict):
+    """Which task (problems + vector reward) to train on: ``vpo.tasks.get_task(name, **params)``."""
+
+    name: str = Field(min_length=1, description="registered task name (see vpo.tasks.available_tasks)")
+    params: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the task factory")
+
+
+class ModelConfig(_Strict):
+    """The policy model: ``{builder: tiny}`` builds the embedded char model locally; ``{path_or_id: ...}``
+    loads a Hugging Face hub id or a local folder (a missing local folder is an error)."""
+
+    builder: Literal["tiny"] | None = Field(default=None, description="build an embedded model locally")
+    builder_params: dict[str, Any] = Field(default_factory=dict, description="arguments for the builder")
+    path_or_id: str | None = Field(default=None, description="hub id ('org/name') or local model folder")
+    revision: str | None = Field(default=None, description="hub revision (branch, tag or commit)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    trust_remote_code: bool = False
+
+    @field_validator("path_or_id")
+    @classmethod
+    def _check_path_or_id(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None:
+            return value
+        value = value.strip()
+        if not value:
+            raise ValueError("expected a hub id or a local path, got an empty string")
+        if "://" in value:
+            raise ValueError(f"expected a hub id ('org/name') or a local path, got URL {value!r}")
+        resolved = (_base_dir(info) / Path(value).expanduser()).resolve()
+        if _looks_local(value) or resolved.exists():
+            if not resolved.exists():
+                raise ValueError(f"local model path {value!r} does not exist (resolved to {resolved})")
+            if not resolved.is_dir() or not any(
+                (resolved / f).is_file() for f in ("config.json", "adapter_config.json")
+            ):
+                raise ValueError(
+                    f"local model path {value!r} is not a model folder (no config.json in {resolved})"
+                )
+            return value
+        if not _HUB_ID_RE.match(value):
+            raise ValueError(f"expected a hub id like 'org/name' or an existing local path, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> ModelConfig:
+        if (self.builder is None) == (self.path_or_id is None):
+            raise ValueError(
+                "set exactly one of 'builder' (e.g. tiny) or 'path_or_id' (hub id or local path)"
+            )
+        if self.builder_params and self.builder is None:
+            raise ValueError("'builder_params' needs 'builder'")
+        return self
+
+    @property
+    def is_local_path(self) -> bool:
+        """True when ``path_or_id`` names a local folder rather than a hub id."""
+        return self.path_or_id is not None and _looks_local(self.path_or_id)
+
+
+class DatasetConfig(_Strict):
+    """Where problem rows come from and how they are validated (see :mod:`vpo.validation`)."""
+
+    source: str | None = Field(
+        default=None,
+        description="None: the task generates its rows; else a local file/folder or s3:// URL to import",
+    )
+    format: Literal["auto", "parquet", "jsonl", "json", "csv", "hf_disk"] = "auto"
+    splits: list[str] = Field(default_factory=lambda: ["train", "test"], min_length=1)
+    max_prompt_chars: PositiveInt = 4096
+    min_rows_per_split: PositiveInt = 1
+    tests_column: str | None = Field(default=None, description="column of per-problem tests to count")
+    min_tests: int = Field(default=1, ge=0)
+
+    @field_validator("source")
+    @classmethod
+    def _check_source(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None:
+            return value
+        value = _check_local_url(value, "dataset.source")
+        if not value.startswith("s3://"):
+            local = value.removeprefix("file://")
+            resolved = (_base_dir(info) / Path(local).expanduser()).resolve()
+            if not resolved.exists():
+                raise ValueError(f"dataset source {value!r} does not exist (resolved to {resolved})")
+        return value
+
+    @field_validator("splits")
+    @classmethod
+    def _unique_splits(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"split names must be unique, got {value}")
+        return value
+
+
+class SFTConfig(_Strict):
+    """Supervised warm-up before RL (teaches the answer format)."""
+
+    enabled: bool = True
+    steps: PositiveInt = 200
+    batch_size: PositiveInt = 16
+    lr: PositiveFloat = 1e-3
+
+
+class ArmConfig(_Strict):
+    """One estimator arm of the experiment; each (arm, seed) is one training run and checkpoint."""
+
+    name: Annotated[str, Field(pattern=_NAME_RE, description="arm id used in paths and stage names")]
+    estimator: Estimator
+    m: PositiveInt = Field(default=1, description="answers per rollout (VPO answer-set size)")
+    num_generations: int = Field(default=8, ge=2, description="G: rollouts per prompt")
+    rollout_multiplier: PositiveInt = Field(
+        default=1,
+        description="multiplies rollouts per prompt (G x this) for a compute-matched single-answer arm",
+    )
+    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
+    enabled: bool = True
+
+    @field_validator("seeds")
+    @classmethod
+    def _unique_seeds(cls, value: list[int]) -> list[int]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"seeds must be unique, got {value}")
+        return value
+
+    @property
+    def rollouts_per_prompt(self) -> int:
+        """Effective rollouts per prompt: G x rollout multiplier."""
+        return self.num_generations * self.rollout_multiplier
+
+
+class TrainerConfig(_Strict):
+    """RL trainer settings shared by all arms (TRL GRPO-style loop with VPO advantages)."""
+
+    steps: PositiveInt = 100
+    prompts_per_step: PositiveInt = 8
+    lr: PositiveFloat = 5e-4
+    beta: NonNegativeFloat = Field(default=0.0, description="KL coefficient (0 = no reference model)")
+    temperature: PositiveFloat = 1.0
+    max_prompt_length: PositiveInt = 512
+    max_completion_length: PositiveInt = 64
+    num_weights: PositiveInt = Field(default=100, description="K: scalarisation weights per step")
+    alpha: PositiveFloat = Field(default=1.0, description="Dirichlet concentration of the weight sampler")
+    sampler: Literal["dirichlet", "sobol"] = "dirichlet"
+    loss_type: LossType = "dapo"
+    generation_backend: Literal["transformers", "vllm"] = "transformers"
+    vllm_mode: Literal["colocate", "server"] = "colocate"
+    vllm_server_url: str | None = Field(
+        default=None, description="for vllm_mode=server (infra/vllm/serve.sh)"
+    )
+    gradient_accumulation_steps: PositiveInt = 1
+    logging_steps: PositiveInt = 1
+    save_steps: PositiveInt = Field(default=25, description="checkpoint interval (resume points)")
+    bf16: bool = False
+    accelerate_config: str | None = Field(
+        default=None, description="accelerate config file for multi-GPU runs"
+    )
+
+    @field_validator("accelerate_config")
+    @classmethod
+    def _check_accelerate(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None:
+            resolved = (_base_dir(info) / Path(value).expanduser()).resolve()
+            if not resolved.is_file():
+                raise ValueError(f"accelerate config {value!r} does not exist (resolved to {resolved})")
+        return value
+
+    @model_validator(mode="after")
+    def _server_url(self) -> TrainerConfig:
+        if self.generation_backend == "vllm" and self.vllm_mode == "server" and not self.vllm_server_url:
+            raise ValueError("vllm_mode 'server' needs vllm_server_url")
+        return self
+
+
+class EvaluationConfig(_Strict):
+    """best@k / pass@k evaluation: n samples per problem, curves at each k."""
+
+    k: list[PositiveInt] = Field(default_factory=lambda: [1, 3, 5, 10, 30], min_length=1)
+    n_samples: PositiveInt = Field(default=30, description="samples per problem (>= max k)")
+    temperature: PositiveFloat = 1.0
+    num_weights: PositiveInt = Field(default=100, description="weights w for the best@k-over-w curves")
+    split: str = "test"
+    max_problems: PositiveInt | None = None
+    seed: int = 0
+
+    @field_validator("k")
+    @classmethod
+    def _sorted_unique(cls, value: list[int]) -> list[int]:
+        if sorted(set(value)) != value:
+            raise ValueError(f"k values must be strictly increasing, got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _enough_samples(self) -> EvaluationConfig:
+        if self.n_samples < max(self.k):
+            raise ValueError(f"n_samples ({self.n_samples}) must be >= the largest k ({max(self.k)})")
+        return self
+
+
+class StorageConfig(_Strict):
+    """Where artifacts go; URLs are local paths or ``s3://`` (credentials only from AWS_* env vars)."""
+
+    dvc_remote: str | None = Field(default=None, description="DVC remote URL (None: no push/pull)")
+    dvc_remote_name: Annotated[str, Field(pattern=_NAME_RE)] = "storage"
+    registry: str = Field(default="runs/registry", description="checkpoint registry URL")
+    runs_dir: str = Field(default="runs", description="local working folder for stage outputs")
+
+    @field_validator("dvc_remote", "registry")
+    @classmethod
+    def _check_url(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return None if value is None else _check_local_url(value, f"storage.{info.field_name}")
+
+
+class SearchConfig(_Strict):
+    """Optional test-time search over a trained checkpoint (best-of-n or the OpenEvolve bridge)."""
+
+    enabled: bool = True
+    method: Literal["best_of_n", "openevolve"] = "best_of_n"
+    budget: PositiveInt = Field(default=64, description="model calls per problem")
+    iterations: PositiveInt = 10
+    server_url: str | None = Field(default=None, description="OpenAI-compatible endpoint (vLLM)")
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class PipelineConfig(_Strict):
+    """One named pipeline of ``pipelines.yaml``."""
+
+    name: Annotated[str, Field(pattern=_NAME_RE)]
+    description: str = ""
+    seed: int = 0
+    task: TaskConfig
+    model: ModelConfig
+    dataset: DatasetConfig = Field(default_factory=DatasetConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    arms: list[ArmConfig] = Field(min_length=1)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    search: SearchConfig | None = None
+
+    _source_file: Path | None = PrivateAttr(default=None)
+    _quick: bool = PrivateAttr(default=False)
+
+    @field_validator("arms")
+    @classmethod
+    def _unique_arms(cls, arms: list[ArmConfig]) -> list[ArmConfig]:
+        names = [a.name for a in arms]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"arm names must be unique, duplicated: {', '.join(dupes)}")
+        if not any(a.enabled for a in arms):
+            raise ValueError("at least one arm must be enabled")
+        return arms
+
+    @property
+    def enabled_arms(self) -> list[ArmConfig]:
+        """The arms that will be trained, in file order."""
+        return [a for a in self.arms if a.enabled]
+
+    def arm(self, name: str) -> ArmConfig:
+        """The arm called ``name`` (KeyError listing the known arms otherwise)."""
+        for a in self.arms:
+            if a.name == name:
+                return a
+        raise KeyError(
+            f"pipeline {self.name!r} has no arm {name!r}; arms: {', '.join(a.name for a in self.arms)}"
+        )
+
+    @property
+    def source_file(self) -> Path | None:
+        """The YAML file this config was loaded from (None when built in code)."""
+        return self._source_file
+
+    @property
+    def base_dir(self) -> Path:
+        """Folder that relative paths in the config are resolved against."""
+        return self._source_file.parent if self._source_file else Path.cwd()
+
+    @property
+    def quick(self) -> bool:
+        """Whether the pipeline's ``quick:`` overrides were applied."""
+        return self._quick
+
+    def resolve_path(self, value: str | os.PathLike[str]) -> Path:
+        """Resolve a path from the config against :attr:`base_dir`."""
+        return (self.base_dir / Path(value).expanduser()).resolve()
+
+    def resolve_url(self, value: str) -> str:
+        """Return ``s3://`` URLs unchanged and local paths resolved against :attr:`base_dir`."""
+        return value if value.startswith("s3://") else str(self.resolve_path(value.removeprefix("file://")))
+
+    def params(self) -> dict[str, Any]:
+        """Plain JSON-able dict of every setting (for registry entries and run metadata)."""
+        return self.model_dump(mode="json")
+
+
+class PipelinesFile(_Strict):
+    """Top level of ``pipelines.yaml`` (pipelines are validated one by one, see :func:`load_all`)."""
+
+    version: Literal[1] = 1
+    default: str | None = None
+    pipelines: dict[str, dict[str, Any]] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _default_exists(self) -> PipelinesFile:
+        if self.default is not None and self.default not in self.pipelines:
+            raise ValueError(
+                f"default pipeline {self.default!r} is not defined; defined: {', '.join(self.pipelines)}"
+            )
+        return self
+
+
+# --------------------------------------------------------------------------- merging
+
+
+def _set_dotted(target: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = target
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"override {dotted!r}: {part!r} is not a mapping")  # noqa: TRY004 (-> ConfigError)
+    node[parts[-1]] = value
+
+
+def deep_merge(base: Any, override: Any, *, path: str = "") -> Any:
+    """Merge ``override`` onto ``base``: mappings key by key, other values replaced. A mapping merged
+    onto a list of named mappings (``arms``) updates the items by name."""
+    if isinstance(base, Mapping) and isinstance(override, Mapping):
+        out = dict(base)
+        for key, value in override.items():
+            sub = f"{path}.{key}" if path else str(key)
+            out[key] = deep_merge(base[key], value, path=sub) if key in base else copy.deepcopy(value)
+        return out
+    if (
+        isinstance(base, list)
+        and isinstance(override, Mapping)
+        and all(isinstance(item, Mapping) and "name" in item for item in base)
+    ):
+        by_name = {item["name"]: i for i, item in enumerate(base)}
+        out_list = [dict(item) for item in base]
+        for name, value in override.items():
+            if name not in by_name:
+                raise ValueError(
+                    f"{path}.{name}: no item named {name!r} (have: {', '.join(map(str, by_name))})"
+                )
+            if not isinstance(value, Mapping):
+                raise ValueError(  # noqa: TRY004 (reported as a ConfigError)
+                    f"{path}.{name}: expected a mapping of overrides, got {type(value).__name__}"
+                )
+            out_list[by_name[name]] = deep_merge(out_list[by_name[name]], value, path=f"{path}.{name}")
+        return out_list
+    return copy.deepcopy(override)
+
+
+# --------------------------------------------------------------------------- error formatting
+
+
+def _loc_to_key(prefix: str, loc: Sequence[Any]) -> str:
+    key = prefix
+    for part in loc:
+        if isinstance(part, int):
+            key += f"[{part}]"
+        else:
+            key += f".{part}" if key else str(part)
+    return key
+
+
+def _model_at(model: type[BaseModel], loc: Sequence[Any]) -> type[BaseModel] | None:
+    """The pydantic model class found by following ``loc`` through fields (list indices skipped)."""
+    current: Any = model
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        if (
+            not (isinstance(current, type) and issubclass(current, BaseModel))
+            or part not in current.model_fields
+        ):
+            return None
+        current = _unwrap(current.model_fields[part].annotation)
+    return current if isinstance(current, type) and issubclass(current, BaseModel) else None
+
+
+def _unwrap(annotation: Any) -> Any:
+    for arg in getattr(annotation, "__args__", ()) or ():
+        inner = _unwrap(arg)
+        if isinstance(inner, type) and issubclass(inner, BaseModel):
+            return inner
+    return annotation
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+def _format_error(model: type[BaseModel], err: Mapping[str, Any]) -> str:
+    kind = err["type"]
+    loc = err["loc"]
+    if kind == "extra_forbidden":
+        owner = _model_at(model, loc[:-1])
+        allowed = f"; allowed keys: {', '.join(owner.model_fields)}" if owner else ""
+        return f"unknown key{allowed}"
+    if kind == "missing":
+        return "required key is missing"
+    msg = str(err["msg"])
+    msg = msg.removeprefix("Value error, ")
+    msg = re.sub(r"^Input should be ", "expected ", msg)
+    if kind in ("model_type", "dict_type", "model_attributes_type"):
+        msg = "expected a mapping"
+    if "input" in err and kind not in ("value_error", "assertion_error"):
+        msg += f", got {_describe(err['input'])}"
+    return msg
+
+
+def _yaml_line(root: yaml.Node | None, keys: Sequence[Any]) -> int | None:
+    """1-based line of the deepest node reachable along ``keys`` in a composed YAML tree."""
+    node, line = root, None
+    for key in keys:
+        if node is None:
+            break
+        line = node.start_mark.line + 1
+        nxt = None
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                if isinstance(k, yaml.ScalarNode) and k.value == str(key):
+                    nxt = v
+                    line = k.start_mark.line + 1
+                    break
+        elif isinstance(node, yaml.SequenceNode) and isinstance(key, int) and key < len(node.value):
+            nxt = node.value[key]
+        node = nxt
+    if node is not None:
+        line = node.start_mark.line + 1
+    return line
+
+
+# --------------------------------------------------------------------------- loading
+
+
+class _Loaded:
+    """A parsed file: raw data plus the composed node tree for line numbers."""
+
+    def __init__(self, path: Path, data: Any, root: yaml.Node | None):
+        self.path = path
+        self.data = data
+        self.root = root
+
+    def problem(self, keys: Sequence[Any], key_text: str, message: str) -> tuple[str, str]:
+        line = _yaml_line(self.root, keys)
+        return (f"{key_text} (line {line})" if line else key_text, message)
+
+
+def _read(path: str | os.PathLike[str]) -> _Loaded:
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ConfigError(p, None, [("", f"file not found (looked for {p.resolve()})")])
+    text = p.read_text(encoding="utf-8")
+    try:
+        data = yaml.safe_load(text)
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise ConfigError(
+            p, None, [("", f"not valid YAML: {where}{getattr(exc, 'problem', None) or exc}")]
+        ) from None
+    loaded = _Loaded(p.resolve(), data, root)
+    if not isinstance(data, Mapping):
+        raise ConfigError(p, None, [("", f"expected a mapping with 'pipelines', got {_describe(data)}")])
+    try:
+        PipelinesFile.model_validate(data)
+    except ValidationError as exc:
+        problems = [
+            loaded.problem(e["loc"], _loc_to_key("", e["loc"]), _format_error(PipelinesFile, e))
+            for e in exc.errors()
+        ]
+        raise ConfigError(p, None, problems) from None
+    return loaded
+
+
+def _validate(loaded: _Loaded, name: str, data: Any, variant: str) -> PipelineConfig:
+    prefix = f"pipelines.{name}"
+    if not isinstance(data, Mapping):
+        raise ConfigError(
+            loaded.path, name, [loaded.problem(["pipelines", name], prefix, "expected a mapping")]
+        )
+    body = {k: v for k, v in data.items() if k != "quick"}
+    if "name" in body and body["name"] != name:
+        raise ConfigError(
+            loaded.path,
+            name,
+            [loaded.problem(["pipelines", name, "name"], f"{prefix}.name", "must match the key")],
+        )
+    body["name"] = name
+    try:
+        cfg = PipelineConfig.model_validate(body, context={"base_dir": loaded.path.parent})
+    except ValidationError as exc:
+        problems = []
+        for e in exc.errors():
+            loc = e["loc"]
+            key_text, message = _loc_to_key(prefix, loc), _format_error(PipelineConfig, e)
+            if variant == "base":
+                problems.append(loaded.problem(["pipelines", name, *loc], key_text, message))
+            elif variant == "quick":  # point at the quick: entry when it set this key, else the base key
+                line_keys = ["pipelines", name, "quick", *loc]
+                problems.append(loaded.problem(line_keys, key_text, message))
+            else:
+                problems.append((key_text, message))
+        label = name if variant == "base" else f"{name} (with its {variant} overrides)"
+        raise ConfigError(loaded.path, label, problems) from None
+    cfg._source_file = loaded.path
+    return cfg
+
+
+def _variant(
+    loaded: _Loaded, name: str, *, quick: bool, overrides: Mapping[str, Any] | None
+) -> tuple[PipelineConfig, PipelineConfig | None]:
+    """Validate the base pipeline and its quick variant; return (requested config, other variant)."""
+    raw = loaded.data["pipelines"][name]
+    base = _validate(loaded, name, raw, "base")
+    quick_raw = raw.get("quick") if isinstance(raw, Mapping) else None
+    quick_cfg = None
+    if quick_raw is not None:
+        if not isinstance(quick_raw, Mapping):
+            raise ConfigError(
+                loaded.path,
+                name,
+                [
+                    loaded.problem(
+                        ["pipelines", name, "quick"], f"pipelines.{name}.quick", "expected a mapping"
+                    )
+                ],
+            )
+        try:
+            merged = deep_merge(
+                {k: v for k, v in raw.items() if k != "quick"}, quick_raw, path=f"pipelines.{name}.quick"
+            )
+        except ValueError as exc:
+            raise ConfigError(loaded.path, name, [("", str(exc))]) from None
+        quick_cfg = _validate(loaded, name, merged, "quick")
+        quick_cfg._quick = True
+    chosen = quick_cfg if (quick and quick_cfg is not None) else base
+    if overrides:
+        nested: dict[str, Any] = {}
+        current = chosen.model_dump(mode="python", exclude={"name"})
+        try:
+            for key, value in overrides.items():
+                _set_dotted(nested, key, value)
+            merged = deep_merge(current, nested, path=f"pipelines.{name}")
+        except ValueError as exc:
+            raise ConfigError(loaded.path, name, [("", str(exc))]) from None
+        is_quick = chosen.quick
+        chosen = _validate(loaded, name, merged, "command-line")
+        chosen._quick = is_quick
+    return chosen, quick_cfg
+
+
+def pipeline_names(path: str | os.PathLike[str] = DEFAULT_PATH) -> list[str]:
+    """Names of the pipelines in the file, in file order (default first if declared)."""
+    loaded = _read(path)
+    names = list(loaded.data["pipelines"])
+    default = loaded.data.get("default")
+    if default in names:
+        names.remove(default)
+        names.insert(0, default)
+    return names
+
+
+def load_pipeline(
+    name: str | None = None,
+    path: str | os.PathLike[str] = DEFAULT_PATH,
+    *,
+    quick: bool = False,
+    overrides: Mapping[str, Any] | None = None,
+) -> PipelineConfig:
+    """Load and validate pipeline ``name`` (default: the file's ``default``) from ``path``.
+
+    ``quick=True`` applies the pipeline's ``quick:`` overrides (an error if it has none);
+    ``overrides`` maps dotted keys (``"trainer.steps"``, ``"arms.vpo.m"``) to values applied last.
+    The quick variant is validated even when not requested, so a broken one fails early.
+    Raises :class:`ConfigError` for every problem.
+    """
+    loaded = _read(path)
+    pipelines = loaded.data["pipelines"]
+    name = name or loaded.data.get("default") or next(iter(pipelines))
+    if name not in pipelines:
+        raise ConfigError(
+            loaded.path, name, [("pipelines", f"no pipeline named {name!r}; defined: {', '.join(pipelines)}")]
+        )
+    if quick and not (isinstance(pipelines[name], Mapping) and pipelines[name].get("quick") is not None):
+        raise ConfigError(
+            loaded.path,
+            name,
+            [(f"pipelines.{name}.quick", "quick=True but the pipeline has no 'quick:' section")],
+        )
+    chosen, _ = _variant(loaded, name, quick=quick, overrides=overrides)
+    return chosen
+
+
+def load_all(
+    path: str | os.PathLike[str] = DEFAULT_PATH, *, quick: bool = False
+) -> dict[str, PipelineConfig]:
+    """Load every pipeline of the file (quick variants where asked and defined); all problems of all
+    pipelines are reported together in one :class:`ConfigError`."""
+    loaded = _read(path)
+    out: dict[str, PipelineConfig] = {}
+    problems: list[tuple[str, str]] = []
+    for name in loaded.data["pipelines"]:
+        try:
+            out[name], _ = _variant(loaded, name, quick=quick, overrides=None)
+        except ConfigError as exc:
+            problems += [(k, f"[{exc.pipeline}] {m}") for k, m in exc.problems]
+    if problems:
+        raise ConfigError(loaded.path, None, problems)
+    return out
