@@ -61,6 +61,7 @@ DEFAULT_PRELUDE = "\n".join(
         "from itertools import *",
         "from functools import *",
         "from math import *",
+        "from builtins import *",  # undo shadowing of builtins such as pow by the star imports
     ]
 )
 
@@ -781,6 +782,10 @@ class Sandbox:
     def _judge_round(self, job: Job, rnd: _Round, results: list[TestResult | None]) -> int:
         """Fill ``results`` from one round; return the index to restart from (len = finished)."""
         n = len(job.tests)
+        if rnd.violation is not None:  # the stream was tampered with: nothing from it counts
+            for i in range(rnd.start, n):
+                results[i] = TestResult(Status.ERROR, 0.0, f"protocol violation: {rnd.violation}")
+            return n
         for i, ev in rnd.ends.items():
             results[i] = self._judge(job.tests[i], ev)
         if rnd.fatal is not None:
@@ -793,10 +798,6 @@ class Sandbox:
         if rnd.load_error is not None:
             for i in range(rnd.next, n):
                 results[i] = TestResult(Status.ERROR, 0.0, f"load error: {rnd.load_error}")
-            return n
-        if rnd.violation is not None:
-            for i in range(rnd.next, n):
-                results[i] = TestResult(Status.ERROR, 0.0, f"protocol violation: {rnd.violation}")
             return n
         if rnd.done and rnd.next == n:
             return n
