@@ -84,6 +84,9 @@ def test_pool_with_m1_is_best_at_k_and_fair_rollouts() -> None:
     assert M.pool_best_at_k(s[:, None], 2) == pytest.approx(M.best_at_k(s, 2))
     assert [M.fair_num_rollouts(k, 3) for k in (1, 3, 4, 30)] == [1, 1, 2, 10]
     assert M.fair_num_rollouts(5, 1) == 5
+    batch = np.stack([np.array([[0.1, 0.5], [0.9, 0.0], [0.2, 0.3]]), np.array([[1.0, 0.0], [0.0, 0.0], [0.5, 0.5]])])
+    for k in (1, 2, 3, 5):
+        np.testing.assert_allclose(M.pool_best_at_k(batch, k), [M.pool_best_at_k(b, k) for b in batch])
     with pytest.raises(ValueError, match="needs 4 rollouts"):
         M.pool_best_at_k(np.zeros((3, 3)), 10)
 

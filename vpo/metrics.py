@@ -126,36 +126,41 @@ def fair_num_rollouts(k: int, m: int) -> int:
     return math.ceil(k / m)
 
 
-def pool_best_at_k(chain_scores: np.ndarray, k: int) -> float:
+def pool_best_at_k(chain_scores: np.ndarray, k: int) -> float | np.ndarray:
     """Unbiased best@k for a fair pool built from multi-answer chains.
 
-    ``chain_scores`` is (n, m): n iid rollouts ("chains") with m answer slots each (NaN or -inf =
-    no answer in that slot; such a slot never wins). The pool is ceil(k/m) chains drawn without
-    replacement with their answers concatenated and the first k kept, so every chain contributes
-    all m answers except the last, which contributes its first k mod m. With m = 1 this is
-    :func:`best_at_k`. Exact: averages over which drawn chain is the partial one.
+    ``chain_scores`` is (..., n, m): n iid rollouts ("chains") with m answer slots each (NaN or
+    -inf = no answer in that slot, scored as the floor 0). The pool is ceil(k/m) chains drawn
+    without replacement with their answers concatenated and the first k kept, so every chain
+    contributes all m answers except the last, which contributes its first k mod m. With m = 1
+    this is :func:`best_at_k`. Exact: averages over which drawn chain is the partial one.
+    Leading axes are batched (one value per leading index).
     """
     s = np.asarray(chain_scores, dtype=np.float64)
-    if s.ndim != 2:
-        raise ValueError(f"chain_scores must be (n, m), got shape {s.shape}")
-    n, m = s.shape
+    if s.ndim < 2:
+        raise ValueError(f"chain_scores must be (..., n, m), got shape {s.shape}")
+    n, m = s.shape[-2:]
     full_chains, rest = divmod(k, m)
     need = full_chains + (1 if rest else 0)
     if need > n:
         raise ValueError(f"best@{k} with m={m} needs {need} rollouts, only {n} given")
     missing = ~np.isfinite(s)
-    floor = float(min(0.0, s[~missing].min())) if (~missing).any() else 0.0  # "no answer" scores floor
+    floor = float(min(0.0, s[~missing].min())) if (~missing).any() else 0.0  # "no answer" scores the floor
     s = np.where(missing, floor, s)
-    full = s.max(axis=1)
+    full = s.max(axis=-1)  # (..., n)
     if rest == 0:
-        return best_at_k(full, full_chains)
-    partial = s[:, :rest].max(axis=1)
-    if full_chains == 0:
-        return float(partial.mean())
-    total = 0.0
-    for j in range(n):  # chain j is the partial one; the full ones come from the other n-1
-        total += best_at_k(np.maximum(np.delete(full, j), partial[j]), full_chains)
-    return total / n
+        out = best_at_k(full, full_chains)
+    else:
+        partial = s[..., :rest].max(axis=-1)  # (..., n)
+        if full_chains == 0:
+            out = partial.mean(axis=-1)
+        else:
+            total = np.zeros(s.shape[:-2])
+            for j in range(n):  # chain j is the partial one; the full ones come from the other n-1
+                others = np.delete(full, j, axis=-1)
+                total = total + best_at_k(np.maximum(others, partial[..., j : j + 1]), full_chains)
+            out = total / n
+    return float(out) if s.ndim == 2 else np.asarray(out)
 
 
 def mean_offdiag_correlation(rewards: np.ndarray) -> float:
