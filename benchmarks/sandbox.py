@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from vpo.sandbox import Job, Sandbox, SandboxConfig, TestCase  # noqa: E402
+from vpo.sandbox import Job, Sandbox, SandboxConfig, TestCase
 
 NAIVE_DRIVER = """
 import json, resource, sys
@@ -64,6 +64,7 @@ def naive_run(jobs: list[Job], workers: int, python: str) -> list[list[bool]]:
                 capture_output=True,
                 text=True,
                 timeout=5,
+                check=False,
                 env={"PATH": "/usr/bin:/bin"},
             )
         except subprocess.TimeoutExpired:

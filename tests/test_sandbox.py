@@ -160,7 +160,7 @@ def sb() -> Sandbox:
     box.close()
 
 
-def _statuses(res) -> list[str]:  # noqa: ANN001
+def _statuses(res) -> list[str]:
     return [t.status.value for t in res.tests]
 
 
@@ -180,8 +180,8 @@ def test_stdio_reading_styles_and_exit(sb: Sandbox) -> None:
         "import sys\nn = sum(int(x) for x in sys.stdin.buffer.read().split())\nprint(n)\nexit(0)",
         "import os\nn = sum(map(int, open(0).read().split()))\nos.write(1, (str(n) + '\\n').encode())",
         "import sys\ninput = sys.stdin.readline\nprint(sum(map(int, input().split())))\nsys.exit()",
-        "import io, os, sys\nout = io.StringIO()\nout.write(str(sum(map(int, sys.stdin.read().split()))))\n"
-        "sys.stdout.write(out.getvalue())",
+        ("import io, os, sys\nout = io.StringIO()\nout.write(str(sum(map(int, sys.stdin.read().split()))))\n"
+         "sys.stdout.write(out.getvalue())"),
         "def main():\n    print(sum(map(int, input().split())))\nif __name__ == '__main__':\n    main()",
     ]
     tests = [TestCase.stdio("1 2 3", "6"), TestCase.stdio("4 5", "9")]

@@ -26,19 +26,19 @@ from vpo.sandbox.runner import (
 )
 
 __all__ = [
+    "DEFAULT_PRELUDE",
+    "CandidateResult",
+    "CodecError",
+    "Job",
     "Sandbox",
     "SandboxConfig",
     "SandboxError",
-    "Job",
+    "Status",
     "TestCase",
     "TestResult",
-    "CandidateResult",
-    "Status",
-    "DEFAULT_PRELUDE",
+    "decode_value",
     "default_hide_paths",
     "encode_value",
-    "decode_value",
-    "CodecError",
     "stdout_matches",
     "values_match",
 ]

@@ -22,9 +22,7 @@ from __future__ import annotations
 import atexit
 import builtins
 import ctypes
-import errno
 import fcntl
-import io
 import json
 import math
 import os
@@ -63,7 +61,7 @@ def encode_value(x: object, depth: int = 0) -> object:
     if t is float:
         if math.isfinite(x):
             return x
-        return {"$f": "nan" if x != x else ("inf" if x > 0 else "-inf")}
+        return {"$f": "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")}
     d = depth + 1
     if t is list:
         return [encode_value(v, d) for v in x]
@@ -494,7 +492,7 @@ def sandbox_main(payload: bytes, wfd: int, zpid: int) -> int:
         code = 72
         try:
             code = child_main(cfg)
-        except BaseException:
+        except BaseException:  # noqa: BLE001 - any failure in C is reported by its exit code
             code = 73
         finally:
             os._exit(code)
@@ -531,7 +529,7 @@ def _setup_mounts(cfg: dict, mode: str, prot: dict) -> None:
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     scratch = ["/tmp", "/dev/shm"]
     hides = [h for h in cfg["hide"] if os.path.lexists(h) and h not in scratch]
-    under = lambda p, q: p == q or p.startswith(q.rstrip("/") + "/")  # noqa: E731
+    under = lambda p, q: p == q or p.startswith(q.rstrip("/") + "/")
     covered = hides + scratch
     clones: dict[str, int] = {}
     for e in EXPOSE:
@@ -717,7 +715,7 @@ class _TestTimeout(BaseException):
     """Raised by the per-test alarm inside candidate code."""
 
 
-def _on_alarm(signum, frame):  # noqa: ANN001
+def _on_alarm(signum, frame):
     raise _TestTimeout()
 
 
@@ -761,15 +759,16 @@ class _TestRunner:
         os.dup2(self.in_fd, 0)
         os.dup2(self.out_fd, 1)
         os.dup2(self.err_fd, 2)
-        sys.stdin = sys.__stdin__ = open(0, "r", encoding="utf-8", errors="replace", closefd=False)
-        sys.stdout = sys.__stdout__ = open(1, "w", encoding="utf-8", errors="replace", closefd=False)
-        sys.stderr = sys.__stderr__ = open(2, "w", encoding="utf-8", errors="replace", closefd=False, buffering=1)
+        # long-lived per-test streams over the redirected descriptors (never closed: closefd=False)
+        sys.stdin = sys.__stdin__ = open(0, encoding="utf-8", errors="replace", closefd=False)  # noqa: SIM115
+        sys.stdout = sys.__stdout__ = open(1, "w", encoding="utf-8", errors="replace", closefd=False)  # noqa: SIM115
+        sys.stderr = sys.__stderr__ = open(2, "w", encoding="utf-8", errors="replace", closefd=False, buffering=1)  # noqa: SIM115
 
     def _collect(self) -> tuple[str, bool, str]:
         for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
             try:
                 stream.flush()
-            except BaseException:  # noqa: BLE001 - candidate objects can raise anything
+            except BaseException:  # noqa: BLE001, S110 - candidate stream objects can raise anything
                 pass
         size = os.fstat(self.out_fd).st_size
         data = os.pread(self.out_fd, self.cap + 1, 0)
@@ -793,7 +792,7 @@ class _TestRunner:
 
     def _namespace(self, name: str) -> dict:
         ns = {"__name__": name, "__builtins__": builtins}
-        exec(self.cfg["prelude"], ns)
+        exec(self.cfg["prelude"], ns)  # noqa: S102 - running code is this module's purpose
         return ns
 
     # -- main loop
@@ -811,7 +810,7 @@ class _TestRunner:
             module_ns = self._namespace("__solution__")
             signal.setitimer(signal.ITIMER_REAL, self.load_timeout)
             try:
-                exec(code_obj, module_ns)
+                exec(code_obj, module_ns)  # noqa: S102
                 err = None
             except _TestTimeout:
                 err = "timeout while executing the module"
@@ -838,7 +837,7 @@ class _TestRunner:
         _send({"ev": "done"})
         return 0
 
-    def _run_stdio(self, code_obj, test: dict) -> dict:  # noqa: ANN001
+    def _run_stdio(self, code_obj, test: dict) -> dict:
         self._redirect(test.get("input", ""))
         ns = self._namespace("__main__")
         status, err = "ok", ""
@@ -846,7 +845,7 @@ class _TestRunner:
         t0 = _perf()
         try:
             try:
-                exec(code_obj, ns)
+                exec(code_obj, ns)  # noqa: S102
             except SystemExit:
                 pass
             try:
@@ -896,7 +895,7 @@ class _TestRunner:
         return msg
 
 
-def _resolve(ns: dict, name: str):  # noqa: ANN202
+def _resolve(ns: dict, name: str):
     """The callable for ``name``: a module-level function, or a method of a fresh ``Solution()``
     (LeetCode / LiveCodeBench functional problems)."""
     fn = ns.get(name)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["stdout_matches", "values_match", "DEFAULT_REL_TOL", "DEFAULT_ABS_TOL"]
+__all__ = ["DEFAULT_ABS_TOL", "DEFAULT_REL_TOL", "stdout_matches", "values_match"]
 
 DEFAULT_REL_TOL = 1e-6
 DEFAULT_ABS_TOL = 1e-6

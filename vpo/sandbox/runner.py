@@ -28,22 +28,22 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from vpo.sandbox import _harness
 from vpo.sandbox._harness import CodecError, decode_value, encode_value
 from vpo.sandbox.compare import DEFAULT_ABS_TOL, DEFAULT_REL_TOL, stdout_matches, values_match
 
 __all__ = [
+    "DEFAULT_PRELUDE",
+    "CandidateResult",
+    "Job",
+    "Sandbox",
+    "SandboxConfig",
+    "SandboxError",
     "Status",
     "TestCase",
     "TestResult",
-    "CandidateResult",
-    "Job",
-    "SandboxConfig",
-    "Sandbox",
-    "SandboxError",
-    "DEFAULT_PRELUDE",
     "default_hide_paths",
 ]
 
@@ -51,19 +51,19 @@ log = logging.getLogger("vpo.sandbox")
 
 HARNESS = Path(_harness.__file__).resolve()
 
-DEFAULT_PRELUDE = "\n".join(
-    [
-        "from typing import *",
-        "import sys, os, math, re, string, random, heapq, bisect, itertools, functools, operator, collections",
-        "from collections import *",
-        "from heapq import *",
-        "from bisect import *",
-        "from itertools import *",
-        "from functools import *",
-        "from math import *",
-        "from builtins import *",  # undo shadowing of builtins such as pow by the star imports
-    ]
-)
+# Names competitive-programming solutions use without importing them (as LiveCodeBench's harness
+# provides); the last line undoes the shadowing of builtins such as ``pow`` by ``from math import *``.
+DEFAULT_PRELUDE = """\
+from typing import *
+import sys, os, math, re, string, random, heapq, bisect, itertools, functools, operator, collections
+from collections import *
+from heapq import *
+from bisect import *
+from itertools import *
+from functools import *
+from math import *
+from builtins import *
+"""
 
 # Directories never hidden (hiding them would break the interpreter or is meaningless).
 _SYSTEM_DIRS = {"/", "/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc", "/proc", "/sys", "/dev", "/var", "/boot", "/tmp", "/dev/shm"}
@@ -88,7 +88,8 @@ class TestCase:
     """One test. ``kind`` is ``stdio`` (feed ``input`` on stdin, compare stdout with
     ``expected``), ``call`` (call the entry point with ``args``, compare the return value with
     ``expected``) or ``expr`` (evaluate ``expr`` in the solution's namespace, compare the value).
-    ``alternatives`` are further accepted expected values (APPS-style wrapped outputs)."""
+    ``alternatives`` are further accepted expected values (APPS-style wrapped outputs); ``tol``
+    overrides the float tolerance of a call/expr test (from ``abs(f(x) - y) < tol`` asserts)."""
 
     __test__ = False  # not a pytest class
 
@@ -98,6 +99,7 @@ class TestCase:
     expr: str = ""
     expected: Any = None
     alternatives: tuple[Any, ...] = ()
+    tol: float | None = None  # absolute tolerance for numbers in this test's value (call/expr)
 
     def __post_init__(self) -> None:
         if self.kind not in ("stdio", "call", "expr"):
@@ -110,7 +112,7 @@ class TestCase:
         object.__setattr__(self, "alternatives", tuple(self.alternatives))
 
     @classmethod
-    def stdio(cls, input: str, output: str) -> TestCase:  # noqa: A002 - the schema's name
+    def stdio(cls, input: str, output: str) -> TestCase:
         return cls(kind="stdio", input=input, expected=output)
 
     @classmethod
@@ -130,13 +132,18 @@ class TestCase:
         if kind == "stdio":
             return cls.stdio(str(d.get("input", "")), str(d["output"] if "output" in d else d["expected"]))
         alts = tuple(decode_value(a) for a in d.get("alternatives", ()))
+        tol = d.get("tol")
+        if tol is not None and (not isinstance(tol, (int, float)) or isinstance(tol, bool) or tol < 0):
+            raise ValueError(f"tol must be a non-negative number, got {tol!r}")
+        tol = None if tol is None else float(tol)
         if kind == "call":
             args = decode_value(d.get("args", []))
             if not isinstance(args, (list, tuple)):
                 raise ValueError("a call test's args must be a list")
-            return cls.call(args, decode_value(d.get("expected")), alts)
+            return cls(kind="call", args=tuple(args), expected=decode_value(d.get("expected")), alternatives=alts, tol=tol)
         if kind == "expr":
-            return cls(kind="expr", expr=str(d["expr"]), expected=decode_value(d.get("expected")), alternatives=alts)
+            return cls(kind="expr", expr=str(d["expr"]), expected=decode_value(d.get("expected")), alternatives=alts,
+                       tol=tol)
         raise ValueError(f"unknown test type {kind!r}")
 
     def to_dict(self) -> dict[str, Any]:
@@ -151,6 +158,8 @@ class TestCase:
         out["expected"] = encode_value(self.expected)
         if self.alternatives:
             out["alternatives"] = [encode_value(a) for a in self.alternatives]
+        if self.tol is not None:
+            out["tol"] = self.tol
         return out
 
     def size(self) -> int:
@@ -509,7 +518,7 @@ class Sandbox:
         for z in zygotes:
             z.close()
 
-    def __enter__(self) -> Sandbox:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -846,7 +855,8 @@ class Sandbox:
             value = decode_value(ev.get("val"))
         except (CodecError, ValueError, TypeError, KeyError, IndexError) as exc:
             return TestResult(Status.ERROR, runtime, f"undecodable return value: {exc}")
-        ok = any(values_match(exp, value, c.rel_tol, c.abs_tol) for exp in (test.expected, *test.alternatives))
+        rel, abs_ = (0.0, test.tol) if test.tol is not None else (c.rel_tol, c.abs_tol)
+        ok = any(values_match(exp, value, rel, abs_) for exp in (test.expected, *test.alternatives))
         return TestResult(Status.PASS if ok else Status.FAIL, runtime, "" if ok else "wrong value", _render(value))
 
 

@@ -1,0 +1,420 @@
+"""The code task: programs scored per test case, one reward dimension per test.
+
+Rows carry ``tests`` (the vpo test schema, at most ``max_tests`` per problem: the smallest
+ones, as the paper keeps the <= 16 smallest LiveCodeBench tests), ``entry_point`` and
+``starter_code``. :class:`CodeTestsReward` runs every answer in the sandbox
+(:mod:`vpo.sandbox`) and scores ``test_i`` = 1 if test i passes, else 0; dimensions beyond a
+problem's test count are NaN, so problems with different test counts batch together. The
+deployment scalar w* is the mean over present tests, i.e. the pass fraction.
+
+Sources (``source=``): the embedded problems (default, written for this project, with several
+reference strategies for most problems), or a file/folder in the vpo schema or one of the
+importer formats of :mod:`vpo.tasks.code_formats` (LiveCodeBench, HumanEval, MBPP, APPS/TACO,
+DeepCoder). Splits: an explicit ``split`` field (train/test; validation/valid/dev count as test),
+else ``test_after`` (ISO date, LiveCodeBench-style temporal cut), else a deterministic hash of
+the problem id.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import logging
+import os
+import random
+import string
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from vpo.answers import parse_code_answers, python_ast_key
+from vpo.rewards import VectorReward
+from vpo.sandbox import Job, Sandbox, SandboxConfig, TestCase
+from vpo.tasks import Task, register_task
+from vpo.tasks.code_formats import ImportStats, load_problems, select_tests
+
+__all__ = [
+    "EMBEDDED_PROBLEMS",
+    "CodeTask",
+    "CodeTestsReward",
+    "code_instruction",
+    "make_code_task",
+    "row_tests",
+]
+
+log = logging.getLogger("vpo.tasks.code")
+
+EMBEDDED_PROBLEMS = Path(__file__).resolve().parents[1] / "data" / "code" / "problems.jsonl"
+DEFAULT_MAX_TESTS = 16
+_TEST_SPLITS = {"test", "validation", "valid", "dev", "eval"}
+
+
+def row_tests(row: Mapping[str, Any]) -> list[TestCase]:
+    """The tests of a row: ``row["tests"]`` as a list of schema dicts, a list of JSON strings,
+    or one JSON string (how rows look after a round trip through a HF dataset)."""
+    raw = row.get("tests")
+    if raw is None:
+        return []
+    if isinstance(raw, str):
+        raw = json.loads(raw)
+    out = []
+    for t in raw:
+        if isinstance(t, str):
+            t = json.loads(t)
+        out.append(t if isinstance(t, TestCase) else TestCase.from_dict(t))
+    return out
+
+
+def code_instruction(m: int, kind: str = "program") -> str:
+    """The answer-format instruction for m programs (each a fenced python block in numbered tags)."""
+    if m < 1:
+        raise ValueError(f"m must be >= 1, got {m}")
+    if m == 1:
+        return f"Put your {kind} in a ```python code block inside <answer_1></answer_1>."
+    tags = ", ".join(f"<answer_{i}>...</answer_{i}>" for i in range(1, m + 1))
+    return (
+        f"Write {m} genuinely different solutions (different algorithms or approaches), each a complete "
+        f"{kind} on its own in a ```python code block, inside numbered tags: {tags}."
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# reward
+
+
+_SHARED: dict[tuple[Any, ...], Sandbox] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def _shared_sandbox(config: SandboxConfig) -> Sandbox:
+    """One sandbox pool per configuration and process (its fork servers are reused)."""
+    key = (os.getpid(), *(getattr(config, f.name) for f in fields(config)))
+    with _SHARED_LOCK:
+        box = _SHARED.get(key)
+        if box is None:
+            box = Sandbox(config)
+            _SHARED[key] = box
+        return box
+
+
+@atexit.register
+def _close_shared() -> None:
+    with _SHARED_LOCK:
+        boxes = list(_SHARED.values())
+        _SHARED.clear()
+    for box in boxes:
+        if box._owner == os.getpid():
+            box.close()
+
+
+class CodeTestsReward(VectorReward):
+    """Per-test pass/fail vector reward for Python programs, computed in the sandbox.
+
+    ``names`` are ``test_0 .. test_{max_tests-1}``. Answers are parsed as fenced python blocks
+    (one per ``<answer_i>`` tag, or the LiveCodeBench ``---``-separated layout) and
+    de-duplicated by AST. Scoring runs all answers of a call in parallel; :meth:`score_many`
+    and :meth:`prefetch` batch many rollouts at once, and results are cached by
+    (problem, program AST), so identical programs across rollouts run once.
+    """
+
+    answer_tag = "answer"
+
+    def __init__(
+        self,
+        max_tests: int = DEFAULT_MAX_TESTS,
+        sandbox: SandboxConfig | Mapping[str, Any] | None = None,
+        cache_size: int = 100_000,
+        hide_paths: Sequence[str] = (),
+    ) -> None:
+        if max_tests < 1:
+            raise ValueError(f"max_tests must be >= 1, got {max_tests}")
+        self.max_tests = int(max_tests)
+        self.names = tuple(f"test_{i}" for i in range(self.max_tests))
+        if sandbox is None:
+            cfg = SandboxConfig()
+        elif isinstance(sandbox, SandboxConfig):
+            cfg = sandbox
+        else:
+            cfg = SandboxConfig(**dict(sandbox))
+        if hide_paths:
+            cfg = SandboxConfig(**{**{f.name: getattr(cfg, f.name) for f in fields(cfg)},
+                                   "hide_paths": tuple(cfg.hide_paths) + tuple(hide_paths)})
+        self.sandbox_config = cfg
+        self.cache_size = int(cache_size)
+        self._cache: OrderedDict[tuple[str, str], tuple[bool, ...]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.stats = {"programs_run": 0, "cache_hits": 0}
+
+    # pickling (dataloader workers, deepcopy): the pool and cache stay behind
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_cache"] = OrderedDict()
+        state.pop("_lock", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    @property
+    def sandbox(self) -> Sandbox:
+        return _shared_sandbox(self.sandbox_config)
+
+    # -- VectorReward API
+    def parse(self, completion: str, m: int) -> list[str]:
+        return parse_code_answers(completion, m, self.answer_tag)
+
+    def dedup_key(self, answer: str) -> Hashable:
+        return python_ast_key(answer)
+
+    def tests(self, row: Mapping[str, Any]) -> list[TestCase]:
+        """The row's tests, at most ``max_tests`` (the smallest, in order)."""
+        tests = row_tests(row)
+        if len(tests) > self.max_tests:
+            kept = select_tests([t.to_dict() for t in tests], self.max_tests)
+            tests = [TestCase.from_dict(t) for t in kept]
+        return tests
+
+    def present(self, row: Mapping[str, Any]) -> np.ndarray:
+        mask = np.zeros(self.dim, dtype=bool)
+        mask[: len(self.tests(row))] = True
+        return mask
+
+    def score(self, answers: Sequence[str], row: Mapping[str, Any]) -> np.ndarray:
+        return self.score_many([(list(answers), row)])[0]
+
+    # -- batching
+    def score_many(self, items: Sequence[tuple[Sequence[str], Mapping[str, Any]]]) -> list[np.ndarray]:
+        """Score many (answers, row) pairs with one parallel sandbox batch; returns one
+        (len(answers), dim) matrix per pair."""
+        plans = []
+        known: dict[tuple[str, str], tuple[bool, ...]] = {}
+        todo: dict[tuple[str, str], Job] = {}
+        for answers, row in items:
+            tests = self.tests(row)
+            pkey = _problem_key(row, tests)
+            keys = []
+            for a in answers:
+                key = (pkey, python_ast_key(a))
+                keys.append(key)
+                if key in known or key in todo:
+                    continue
+                hit = self._get(key)
+                if hit is not None:
+                    known[key] = hit
+                else:
+                    todo[key] = Job(_program(a, row), tuple(tests), row.get("entry_point") or None)
+            plans.append((keys, len(tests)))
+        if todo:
+            jobs = list(todo.items())
+            results = self.sandbox.run([j for _, j in jobs])
+            with self._lock:
+                self.stats["programs_run"] += len(jobs)
+            for (key, _), res in zip(jobs, results):
+                known[key] = tuple(res.passed)
+                self._store(key, known[key])
+        out = []
+        for keys, n in plans:
+            mat = np.full((len(keys), self.dim), np.nan)
+            for i, key in enumerate(keys):
+                mat[i, :n] = np.asarray(known[key], dtype=np.float64)
+            out.append(mat)
+        return out
+
+    def prefetch(self, completions: Sequence[str], rows: Sequence[Mapping[str, Any]], m: int) -> None:
+        """Run every answer of many rollouts in one parallel batch so that the per-rollout
+        :func:`vpo.rewards.score_set` calls that follow are cache hits."""
+        items = []
+        for text, row in zip(completions, rows):
+            answers = self.parse(text, m)
+            if answers:
+                items.append((answers, row))
+        if items:
+            self.score_many(items)
+
+    # -- cache
+    def _get(self, key: tuple[str, str]) -> tuple[bool, ...] | None:
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                self.stats["cache_hits"] += 1
+            return hit
+
+    def _store(self, key: tuple[str, str], value: tuple[bool, ...]) -> None:
+        with self._lock:
+            self._cache[key] = value
+            self._cache.move_to_end(key)
+            while len(self._cache) > max(self.cache_size, 1):
+                self._cache.popitem(last=False)
+
+
+def _problem_key(row: Mapping[str, Any], tests: Sequence[TestCase]) -> str:
+    h = hashlib.sha256()
+    h.update(str(row.get("id", "")).encode())
+    h.update(str(row.get("entry_point") or "").encode())
+    h.update(str(row.get("setup_code") or "").encode())
+    h.update(json.dumps([t.to_dict() for t in tests], sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def _program(answer: str, row: Mapping[str, Any]) -> str:
+    setup = row.get("setup_code") or ""
+    return f"{setup}\n{answer}" if setup.strip() else answer
+
+
+# --------------------------------------------------------------------------------------------
+# task
+
+
+class CodeTask(Task):
+    """Code problems with per-test vector rewards (see the module docstring)."""
+
+    name = "code"
+
+    def __init__(
+        self,
+        source: str | os.PathLike[str] | None = None,
+        format: str = "auto",
+        max_tests: int = DEFAULT_MAX_TESTS,
+        min_tests: int = 1,
+        test_fraction: float = 0.25,
+        split_seed: int = 0,
+        test_after: str | None = None,
+        limit: int | None = None,
+        sandbox: SandboxConfig | Mapping[str, Any] | None = None,
+        hide_source: bool = True,
+    ) -> None:
+        if not 0.0 <= test_fraction <= 1.0:
+            raise ValueError(f"test_fraction must be in [0, 1], got {test_fraction}")
+        self.source = Path(source).expanduser() if source is not None else EMBEDDED_PROBLEMS
+        if not self.source.exists():
+            raise FileNotFoundError(f"code task source {self.source} does not exist")
+        self.format = format
+        self.max_tests = int(max_tests)
+        self.min_tests = int(min_tests)
+        self.test_fraction = float(test_fraction)
+        self.split_seed = int(split_seed)
+        self.test_after = test_after
+        self.limit = limit
+        hide = [str(self.source.resolve().parent)] if hide_source else []
+        self.reward = CodeTestsReward(max_tests=self.max_tests, sandbox=sandbox, hide_paths=hide)
+        self.import_stats = ImportStats()
+        self._rows: dict[str, list[dict[str, Any]]] | None = None
+
+    # -- rows
+    def _split_of(self, prob: Mapping[str, Any]) -> str:
+        split = prob.get("split")
+        if isinstance(split, str) and split.strip():
+            s = split.strip().lower()
+            if s == "train":
+                return "train"
+            if s in _TEST_SPLITS:
+                return "test"
+        if self.test_after and prob.get("date"):
+            return "test" if str(prob["date"])[:10] >= self.test_after[:10] else "train"
+        digest = hashlib.sha256(f"{self.split_seed}:{prob['id']}".encode()).digest()
+        return "test" if int.from_bytes(digest[:8], "big") / 2**64 < self.test_fraction else "train"
+
+    def _load_all(self) -> dict[str, list[dict[str, Any]]]:
+        if self._rows is None:
+            fmt = "vpo" if self.source == EMBEDDED_PROBLEMS else self.format
+            problems = load_problems(self.source, fmt, self.import_stats)
+            rows: dict[str, list[dict[str, Any]]] = {"train": [], "test": []}
+            for prob in problems:
+                tests = select_tests(prob["tests"], self.max_tests)
+                if len(tests) < self.min_tests:
+                    self.import_stats.add("dropped_few_tests")
+                    continue
+                split = self._split_of(prob)
+                rows[split].append(self._row(prob, tests, split))
+            if self.limit is not None:
+                rows = {k: v[: self.limit] for k, v in rows.items()}
+            self._rows = rows
+        return self._rows
+
+    @staticmethod
+    def _row(prob: Mapping[str, Any], tests: list[dict[str, Any]], split: str) -> dict[str, Any]:
+        entry = prob.get("entry_point")
+        starter = prob.get("starter_code") or ""
+        kinds = {t["type"] for t in tests}
+        parts = [prob["prompt"].strip()]
+        if entry:
+            where = "a method of class `Solution`" if "class Solution" in starter else "a function"
+            parts.append(f"Implement `{entry}` as {where}; it is called directly and must return the result "
+                         f"(do not read input or print).")
+        elif kinds == {"stdio"}:
+            parts.append("Read the input from standard input and print the answer to standard output.")
+        if starter.strip() and "```" not in prob["prompt"]:
+            parts.append(f"Starter code:\n```python\n{starter.rstrip()}\n```")
+        return {
+            "id": str(prob["id"]),
+            "prompt": "\n\n".join(parts),
+            "tests": tests,
+            "n_tests": len(tests),
+            "entry_point": entry or "",
+            "starter_code": starter,
+            "setup_code": prob.get("setup_code") or "",
+            "solutions": list(prob.get("solutions") or []),
+            "title": prob.get("title") or "",
+            "difficulty": prob.get("difficulty") or "",
+            "split": split,
+        }
+
+    def load(self, split: str) -> list[dict[str, Any]]:
+        """Rows of "train" or "test" (deterministic)."""
+        if split not in ("train", "test"):
+            raise ValueError(f"unknown split {split!r}; expected 'train' or 'test'")
+        return [dict(r) for r in self._load_all()[split]]
+
+    # -- prompts
+    def format_prompt(self, row: Mapping[str, Any], m: int) -> Any:
+        """The problem prompt followed by the m-program answer-format instruction (appended to
+        the last user message, as an ADDITIONAL INSTRUCTION, for chat prompts)."""
+        kind = "function" if row.get("entry_point") else "program"
+        text = code_instruction(m, kind)
+        prompt = row["prompt"]
+        if isinstance(prompt, str):
+            return f"{prompt.rstrip()}\n\n{text}"
+        messages = [dict(msg) for msg in prompt]
+        for msg in reversed(messages):
+            if msg.get("role") == "user":
+                msg["content"] = f"{str(msg.get('content', '')).rstrip()}\n\nADDITIONAL INSTRUCTION: {text}"
+                return messages
+        raise ValueError("chat prompt has no user message")
+
+    # -- supervised warm-up (embedded tiny model) and tokenizer
+    def demonstration(self, row: Mapping[str, Any], m: int, rng: random.Random) -> str:
+        """A target completion: m reference solutions (distinct strategies first) in the format."""
+        sols = [s["code"] for s in row.get("solutions") or [] if str(s.get("code", "")).strip()]
+        if not sols:
+            raise ValueError(f"problem {row.get('id')} has no reference solution to demonstrate")
+        order = list(range(len(sols)))
+        rng.shuffle(order)
+        picked = [sols[order[i % len(order)]] for i in range(m)]
+        return "".join(f"<answer_{i}>\n```python\n{code.rstrip()}\n```\n</answer_{i}>\n" for i, code in enumerate(picked, 1))
+
+    @property
+    def charset(self) -> str:
+        """Every character prompts and demonstrations can contain (for a char-level tokenizer)."""
+        chars = set(string.printable) - {"\x0b", "\x0c", "\r"}
+        for split in ("train", "test"):
+            for row in self._load_all()[split]:
+                chars.update(self.format_prompt(row, 3))
+                chars.update(self.format_prompt(row, 1))
+                for s in row.get("solutions") or []:
+                    chars.update(s.get("code", ""))
+        return "".join(sorted(chars))
+
+
+@register_task("code")
+def make_code_task(**params: Any) -> CodeTask:
+    """Factory for the registry: ``get_task("code", source=None, max_tests=16, ...)``."""
+    return CodeTask(**params)
+
