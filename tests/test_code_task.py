@@ -185,3 +185,24 @@ def test_every_embedded_reference_passes_and_a_wrong_program_fails() -> None:
             assert res.all_passed, (pid, strategy, [(t.status.value, t.detail) for t in res.tests if not t.passed])
         else:
             assert not res.all_passed, (pid, "a wrong program passed every test")
+
+
+def test_per_split_sources_and_date_filter(tmp_path: Path) -> None:
+    train = tmp_path / "train" / "dc.jsonl"
+    test = tmp_path / "test" / "lcb.jsonl"
+    train.parent.mkdir()
+    test.parent.mkdir()
+    rec = {"prompt": "p", "tests": [{"type": "stdio", "input": "", "output": "1"}]}
+    train.write_text("".join(json.dumps({**rec, "id": f"t{i}", "split": "test"}) + "\n" for i in range(3)))
+    test.write_text(json.dumps({**rec, "id": "new", "date": "2024-09-01"}) + "\n"
+                    + json.dumps({**rec, "id": "old", "date": "2024-01-01"}) + "\n")
+    t = CodeTask(source={"train": str(train), "test": [str(test)]}, test_after="2024-08-01")
+    assert [r["id"] for r in t.load("train")] == ["t0", "t1", "t2"]  # the source decides, not the field
+    assert [r["id"] for r in t.load("test")] == ["new"]
+    assert t.import_stats["dropped_before_test_after"] == 1
+    hidden = t.reward.sandbox_config.hide_paths
+    assert str(train.parent.resolve()) in hidden and str(test.parent.resolve()) in hidden
+    with pytest.raises(ValueError):
+        CodeTask(source={"validation": str(test)})
+    with pytest.raises(FileNotFoundError):
+        CodeTask(source=str(tmp_path / "missing.jsonl"))

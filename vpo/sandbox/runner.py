@@ -24,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -428,6 +429,12 @@ def _render(value: Any, limit: int = 2000) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+def _close_all(zygotes: list[_Zygote]) -> None:
+    for z in list(zygotes):
+        z.close()
+    zygotes.clear()
+
+
 class _Round:
     """State of one sandbox process running tests ``start..`` of a job."""
 
@@ -475,6 +482,8 @@ class Sandbox:
         self._owner = os.getpid()
         self._closed = False
         self.last_protections: dict[str, Any] = {}
+        # stop the fork servers when the sandbox is garbage-collected without close()
+        self._finalizer = weakref.finalize(self, _close_all, self._zygotes)
 
     # -- pool
     def _check_fork(self) -> None:
@@ -484,6 +493,8 @@ class Sandbox:
             self._zygotes = []
             self._executor = None
             self._lock = threading.Lock()
+            self._finalizer.detach()
+            self._finalizer = weakref.finalize(self, _close_all, self._zygotes)
 
     def _acquire(self) -> _Zygote:
         try:
@@ -511,7 +522,8 @@ class Sandbox:
         """Stop all fork servers (idempotent)."""
         self._closed = True
         with self._lock:
-            zygotes, self._zygotes = self._zygotes, []
+            zygotes = list(self._zygotes)
+            self._zygotes.clear()
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=True)

@@ -10,9 +10,11 @@ deployment scalar w* is the mean over present tests, i.e. the pass fraction.
 Sources (``source=``): the embedded problems (default, written for this project, with several
 reference strategies for most problems), or a file/folder in the vpo schema or one of the
 importer formats of :mod:`vpo.tasks.code_formats` (LiveCodeBench, HumanEval, MBPP, APPS/TACO,
-DeepCoder). Splits: an explicit ``split`` field (train/test; validation/valid/dev count as test),
-else ``test_after`` (ISO date, LiveCodeBench-style temporal cut), else a deterministic hash of
-the problem id.
+DeepCoder), or one source per split (``{"train": ..., "test": ...}``, e.g. train on DeepCoder,
+evaluate on LiveCodeBench). Splits of a single source: an explicit ``split`` field (train/test;
+validation/valid/dev count as test), else ``test_after`` (ISO date, LiveCodeBench-style temporal
+cut), else a deterministic hash of the problem id. With per-split sources, ``test_after`` keeps
+only test problems dated on or after the cut.
 """
 
 from __future__ import annotations
@@ -280,7 +282,7 @@ class CodeTask(Task):
 
     def __init__(
         self,
-        source: str | os.PathLike[str] | None = None,
+        source: str | os.PathLike[str] | Mapping[str, Any] | None = None,
         format: str = "auto",
         max_tests: int = DEFAULT_MAX_TESTS,
         min_tests: int = 1,
@@ -293,9 +295,21 @@ class CodeTask(Task):
     ) -> None:
         if not 0.0 <= test_fraction <= 1.0:
             raise ValueError(f"test_fraction must be in [0, 1], got {test_fraction}")
-        self.source = Path(source).expanduser() if source is not None else EMBEDDED_PROBLEMS
-        if not self.source.exists():
-            raise FileNotFoundError(f"code task source {self.source} does not exist")
+        # one source (split by field / date / hash) or one source per split ({train: ..., test: ...})
+        self.sources: dict[str | None, list[Path]] = {}
+        if isinstance(source, Mapping):
+            unknown = set(source) - {"train", "test"}
+            if unknown or not source:
+                raise ValueError(f"a per-split source needs keys train and/or test, got {sorted(source)}")
+            for split, paths in source.items():
+                paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+                self.sources[split] = [Path(p).expanduser() for p in paths]
+        else:
+            self.sources[None] = [Path(source).expanduser() if source is not None else EMBEDDED_PROBLEMS]
+        for path in (p for ps in self.sources.values() for p in ps):
+            if not path.exists():
+                raise FileNotFoundError(f"code task source {path} does not exist")
+        self.source = next(iter(self.sources.values()))[0]
         self.format = format
         self.max_tests = int(max_tests)
         self.min_tests = int(min_tests)
@@ -303,7 +317,7 @@ class CodeTask(Task):
         self.split_seed = int(split_seed)
         self.test_after = test_after
         self.limit = limit
-        hide = [str(self.source.resolve().parent)] if hide_source else []
+        hide = sorted({str(p.resolve().parent) for ps in self.sources.values() for p in ps}) if hide_source else []
         self.reward = CodeTestsReward(max_tests=self.max_tests, sandbox=sandbox, hide_paths=hide)
         self.import_stats = ImportStats()
         self._rows: dict[str, list[dict[str, Any]]] | None = None
@@ -324,16 +338,25 @@ class CodeTask(Task):
 
     def _load_all(self) -> dict[str, list[dict[str, Any]]]:
         if self._rows is None:
-            fmt = "vpo" if self.source == EMBEDDED_PROBLEMS else self.format
-            problems = load_problems(self.source, fmt, self.import_stats)
             rows: dict[str, list[dict[str, Any]]] = {"train": [], "test": []}
-            for prob in problems:
-                tests = select_tests(prob["tests"], self.max_tests)
-                if len(tests) < self.min_tests:
-                    self.import_stats.add("dropped_few_tests")
-                    continue
-                split = self._split_of(prob)
-                rows[split].append(self._row(prob, tests, split))
+            seen: set[str] = set()
+            for fixed, paths in self.sources.items():
+                for path in paths:
+                    fmt = "vpo" if path == EMBEDDED_PROBLEMS else self.format
+                    for prob in load_problems(path, fmt, self.import_stats):
+                        if prob["id"] in seen:
+                            raise ValueError(f"problem id {prob['id']!r} appears in two sources")
+                        seen.add(prob["id"])
+                        tests = select_tests(prob["tests"], self.max_tests)
+                        if len(tests) < self.min_tests:
+                            self.import_stats.add("dropped_few_tests")
+                            continue
+                        if fixed == "test" and self.test_after and prob.get("date") \
+                                and str(prob["date"])[:10] < self.test_after[:10]:
+                            self.import_stats.add("dropped_before_test_after")
+                            continue
+                        split = fixed or self._split_of(prob)
+                        rows[split].append(self._row(prob, tests, split))
             if self.limit is not None:
                 rows = {k: v[: self.limit] for k, v in rows.items()}
             self._rows = rows
@@ -399,6 +422,10 @@ class CodeTask(Task):
         rng.shuffle(order)
         picked = [sols[order[i % len(order)]] for i in range(m)]
         return "".join(f"<answer_{i}>\n```python\n{code.rstrip()}\n```\n</answer_{i}>\n" for i, code in enumerate(picked, 1))
+
+    def reference_answers(self, row: Mapping[str, Any]) -> list[str]:
+        """Every reference solution of the problem (empty for datasets without solutions)."""
+        return [s["code"] for s in row.get("solutions") or [] if str(s.get("code", "")).strip()]
 
     @property
     def charset(self) -> str:

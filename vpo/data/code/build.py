@@ -1,4 +1,4 @@
-"""Builds ``problems.jsonl``, the embedded code task: 45 problems written for this project.
+"""Builds ``problems.jsonl``, the embedded code task: 48 problems written for this project.
 
 Each problem has a short ASCII statement, one or more reference solutions (several problems
 have two or three solutions with genuinely different strategies, used for demonstrations and
