@@ -206,3 +206,49 @@ def test_per_split_sources_and_date_filter(tmp_path: Path) -> None:
         CodeTask(source={"validation": str(test)})
     with pytest.raises(FileNotFoundError):
         CodeTask(source=str(tmp_path / "missing.jsonl"))
+
+
+PIPELINES = Path(__file__).resolve().parents[1] / "pipelines.yaml"
+
+
+def _code_pipelines() -> list[str]:
+    import yaml
+
+    if not PIPELINES.is_file():
+        return []
+    data = yaml.safe_load(PIPELINES.read_text()) or {}
+    return [n for n, p in (data.get("pipelines") or {}).items() if (p or {}).get("task", {}).get("name") == "code"]
+
+
+@pytest.mark.parametrize("name", _code_pipelines() or ["<none>"])
+def test_code_pipeline_entries_build_the_task(name: str) -> None:
+    """Every pipelines.yaml entry of the code task has valid task params; entries with the
+    embedded problems build the task, and their rows fit the configured prompt/model sizes."""
+    import inspect
+
+    if name == "<none>":
+        pytest.skip("no code pipeline in pipelines.yaml")
+    import yaml
+
+    from vpo.config import load_pipeline
+
+    entry = yaml.safe_load(PIPELINES.read_text())["pipelines"][name]
+    for quick in (False, True) if entry.get("quick") is not None else (False,):
+        cfg = load_pipeline(name, PIPELINES, quick=quick)
+        params = dict(cfg.task.params)
+        assert set(params) <= set(inspect.signature(CodeTask.__init__).parameters) - {"self"}
+        SandboxConfig(**params.get("sandbox", {}))
+        if "source" in params:
+            continue  # external datasets are not part of the checkout
+        if cfg.model.builder is None:
+            pytest.xfail(f"{name}: a hub-model pipeline on the 48 embedded problems (no task.params.source); "
+                         "see the code-qwen-coder entry proposed in issue 4")
+        task = get_task("code", **params)
+        rows = task.load("train") + task.load("test")
+        assert all(len(r["prompt"]) <= cfg.dataset.max_prompt_chars for r in rows)
+        assert all(r["n_tests"] >= cfg.dataset.min_tests for r in rows)
+        assert min(len(task.load(s)) for s in cfg.dataset.splits) >= cfg.dataset.min_rows_per_split
+        assert max(len(task.format_prompt(r, 3)) for r in rows) <= cfg.trainer.max_prompt_length
+        positions = cfg.model.builder_params.get("max_position_embeddings")
+        if positions:
+            assert cfg.trainer.max_prompt_length + cfg.trainer.max_completion_length + 2 <= positions
