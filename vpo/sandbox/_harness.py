@@ -826,10 +826,14 @@ class _TestRunner:
         for offset, test in enumerate(self.tests):
             i = self.start + offset
             _send({"ev": "begin", "i": i})
-            if test["kind"] == "stdio":
-                msg = self._run_stdio(code_obj, test)
-            else:
-                msg = self._run_value(module_ns, test)
+            try:
+                if test["kind"] == "stdio":
+                    msg = self._run_stdio(code_obj, test)
+                else:
+                    msg = self._run_value(module_ns, test)
+            except _TestTimeout:  # the alarm fired between the candidate's return and its cancellation
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                msg = {"st": "timeout", "t": self.timeout, "err": ""}
             self._cleanup_processes()
             msg["ev"] = "end"
             msg["i"] = i
