@@ -54,6 +54,9 @@ def score_completions(task: Task, rows: Sequence[Mapping[str, Any]], completions
     """
     reward: VectorReward = task.reward
     n_chains = len(completions[0]) if completions else 0
+    if hasattr(reward, "prefetch"):  # batch-parallel scoring (code_tests runs all programs at once)
+        reward.prefetch([t for chains in completions for t in chains],
+                        [row for row, chains in zip(rows, completions) for _ in chains], m)
     out = np.full((len(rows), n_chains, m, reward.dim), np.nan)
     for p, (row, chains) in enumerate(zip(rows, completions)):
         present = np.asarray(reward.present(row), dtype=bool)

@@ -208,5 +208,9 @@ class _RowDecodingReward(VectorReward):
     def parse(self, completion: str, m: int) -> list[str]:
         return self._inner.parse(completion, m)
 
+    def prefetch(self, completions: Sequence[str], rows: Sequence[Mapping[str, Any]], m: int) -> None:
+        if hasattr(self._inner, "prefetch"):
+            self._inner.prefetch(completions, [_decode_row(r) for r in rows], m)
+
     def dedup_key(self, answer: str) -> Any:
         return self._inner.dedup_key(answer)

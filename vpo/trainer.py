@@ -128,6 +128,8 @@ class VPOTrainer(GRPOTrainer):
         m = self.args.num_answers
         device = self.accelerator.device
         base = self.accelerator.process_index * len(prompts)
+        if hasattr(self.vector_reward, "prefetch"):  # e.g. code_tests: run the whole batch in parallel first
+            self.vector_reward.prefetch([completion_text(c) for c in completions], inputs, m)
         scored = [
             score_set(self.vector_reward, completion_text(c), row, m, where=f"rollout {base + i} (row id "
                       f"{row.get('id', '?')})")

@@ -1,0 +1,61 @@
+"""VPO vs GRPO on the embedded route task over several RL seeds (issue 7's measurement).
+
+Runs the `route` pipeline's stages (data, rewards, base, train, evaluate) with the arms' seeds
+overridden, then prints the table of best@k and E_w[best@k] per arm (mean ± std over seeds),
+reward-space diversity and how many runs collapsed to one strategy, and writes it next to the plot.
+
+    python benchmarks/route_vpo_vs_grpo.py --seeds 0 1 2 [--quick] [--out runs/bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from pathlib import Path
+
+from vpo.config import load_pipeline
+from vpo.stages import run_all, run_dir
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--pipeline", default="route")
+    ap.add_argument("--config", default="pipelines.yaml")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--runs-dir", default="runs/bench", help="where this benchmark's run folder goes")
+    ap.add_argument("--fresh", action="store_true", help="delete an earlier benchmark run folder first")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    args = ap.parse_args()
+
+    import yaml
+
+    base = load_pipeline(args.pipeline, args.config, quick=args.quick)
+    overrides: dict[str, object] = {"storage.runs_dir": args.runs_dir}
+    for arm in base.arms:
+        overrides[f"arms.{arm.name}.seeds"] = list(args.seeds)
+    for item in args.set:
+        key, value = item.split("=", 1)
+        overrides[key] = yaml.safe_load(value)
+    cfg = load_pipeline(args.pipeline, args.config, quick=args.quick, overrides=overrides)
+    if args.fresh:
+        shutil.rmtree(run_dir(cfg), ignore_errors=True)
+    t0 = time.time()
+    run_all(cfg, stages=("data", "rewards", "base", "train", "evaluate"))
+    minutes = (time.time() - t0) / 60
+    out = run_dir(cfg) / "eval"
+    metrics = json.loads((out / "metrics.json").read_text())
+    table = (out / "table.md").read_text()
+    report = (f"# route: VPO vs GRPO, RL seeds {args.seeds}\n\n"
+              f"command: `python benchmarks/route_vpo_vs_grpo.py --seeds {' '.join(map(str, args.seeds))}"
+              f"{' --quick' if args.quick else ''}`  \n"
+              f"held-out problems: {metrics['n_problems']}, candidates per problem: {metrics['n_samples']}, "
+              f"wall time: {minutes:.1f} min\n\n{table}\n![best@k]({(out / 'best_at_k.png').resolve()})\n")
+    (out / "benchmark.md").write_text(report)
+    print(report)
+
+
+if __name__ == "__main__":
+    main()
