@@ -1,0 +1,197 @@
+"""The one generation helper: batched, seeded sampling of completions for a list of prompts.
+
+``sample`` returns, for every prompt, ``n`` decoded completions (prompt text excluded, cut at
+end-of-sequence, special tokens removed). Two backends share that contract:
+
+* ``"transformers"``: ``model.generate`` with the KV cache, left padding, ``do_sample`` (greedy
+  when ``temperature == 0``), top-k disabled, in chunks of at most ``batch_size`` sequences.
+  Reproducible for a given seed, model and chunking; the global torch RNG is left untouched.
+* ``"vllm"``: ``vllm.LLM(model=path).generate(prompts, SamplingParams(n=..., seed=...))`` for GPU
+  machines; used only when ``import vllm`` works (it is an optional extra).
+
+:func:`generate_batch` is the lower-level transformers call that also returns token ids and masks,
+for trainers that need the sampled tokens (left-padded prompt ids + right-padded completion ids).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = ["BACKENDS", "Generation", "generate_batch", "load_policy", "sample", "vllm_available"]
+
+BACKENDS = ("transformers", "vllm")
+
+
+def vllm_available() -> bool:
+    """Whether the optional vLLM backend can be imported here."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def load_policy(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a saved causal LM and its tokenizer (left padding enforced) in eval mode."""
+    tok = AutoTokenizer.from_pretrained(str(path))
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(str(path))
+    model.eval()
+    return model, tok
+
+
+@dataclass
+class Generation:
+    """One generate call over B prompts x n samples, rows grouped n per prompt in prompt order:
+    ``prompt_ids``/``prompt_mask`` (B*n, P) left-padded, ``completion_ids``/``completion_mask``
+    (B*n, C) right-padded (the mask covers the tokens up to and including the first eos), and
+    ``texts`` the decoded completions (special tokens removed)."""
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    texts: list[str]
+
+
+@torch.no_grad()
+def generate_batch(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[str],
+    n: int = 1,
+    max_new_tokens: int = 128,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+) -> Generation:
+    """Sample ``n`` completions per prompt in one ``generate`` call (uses the current torch RNG)."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if tokenizer.padding_side != "left":
+        raise ValueError("generation needs a left-padding tokenizer (tokenizer.padding_side = 'left')")
+    enc = tokenizer(list(prompts), return_tensors="pt", padding=True)
+    # expand each prompt n times ourselves: same as num_return_sequences for sampling, and it
+    # also works for greedy decoding
+    enc = {
+        k: v.repeat_interleave(n, dim=0).to(model.device)
+        for k, v in enc.items()
+        if k in ("input_ids", "attention_mask")
+    }
+    greedy = temperature <= 0
+    kwargs: dict[str, Any] = {
+        "max_new_tokens": max_new_tokens,
+        "num_return_sequences": 1,
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "use_cache": True,
+    }
+    if greedy:
+        kwargs.update(do_sample=False, top_k=None, top_p=None, temperature=None)
+    else:
+        kwargs.update(do_sample=True, temperature=float(temperature), top_p=float(top_p), top_k=0)
+    was_training = model.training
+    model.eval()
+    try:
+        out = model.generate(**enc, **kwargs)
+    finally:
+        model.train(was_training)
+    completion = out[:, enc["input_ids"].shape[1] :]
+    is_eos = completion == tokenizer.eos_token_id
+    # keep tokens up to and including the first eos; everything after is padding
+    after_eos = (is_eos.cumsum(dim=1) - is_eos.long()) > 0
+    mask = (~after_eos).long()
+    texts = [
+        tokenizer.decode(ids[m.bool()], skip_special_tokens=True)
+        for ids, m in zip(completion, mask, strict=True)
+    ]
+    return Generation(enc["input_ids"], enc["attention_mask"], completion, mask, texts)
+
+
+def sample(
+    model: str | Path | PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase | None,
+    prompts: Sequence[str],
+    n: int = 1,
+    max_new_tokens: int = 128,
+    temperature: float = 1.0,
+    seed: int = 0,
+    *,
+    top_p: float = 1.0,
+    batch_size: int = 256,
+    backend: str = "transformers",
+    progress: bool = False,
+) -> list[list[str]]:
+    """Sample ``n`` completions for every prompt; returns ``[[completion] * n] * len(prompts)``.
+
+    ``model`` is a checkpoint folder or a loaded model (``tokenizer`` may be None for a folder).
+    ``batch_size`` bounds the number of sequences generated at once (transformers backend).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    if not prompts:
+        return []
+    if backend == "vllm":
+        return _sample_vllm(model, prompts, n, max_new_tokens, temperature, seed, top_p)
+    if isinstance(model, (str, Path)):
+        loaded, tok = load_policy(model)
+        model, tokenizer = loaded, tokenizer or tok
+    if tokenizer is None:
+        raise ValueError("a tokenizer is needed when model is an in-memory model")
+    if tokenizer.padding_side != "left":
+        tokenizer.padding_side = "left"
+    per_call = max(1, batch_size // n)
+    chunks = [list(prompts[i : i + per_call]) for i in range(0, len(prompts), per_call)]
+    results: list[list[str]] = []
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(prompts), desc="sampling", unit="prompt")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for chunk in chunks:
+            gen = generate_batch(model, tokenizer, chunk, n, max_new_tokens, temperature, top_p)
+            results.extend(gen.texts[i * n : (i + 1) * n] for i in range(len(chunk)))
+            if bar is not None:
+                bar.update(len(chunk))
+    if bar is not None:
+        bar.close()
+    return results
+
+
+_VLLM_ENGINES: dict[str, Any] = {}
+
+
+def _sample_vllm(
+    model: str | Path | PreTrainedModel,
+    prompts: Sequence[str],
+    n: int,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    top_p: float,
+) -> list[list[str]]:
+    """vLLM backend: one engine per checkpoint folder, reused across calls."""
+    if not vllm_available():
+        raise RuntimeError("backend='vllm' needs the optional vllm extra (pip install 'vpo[vllm]') and a GPU")
+    if not isinstance(model, (str, Path)):
+        raise TypeError("the vllm backend loads models by path; pass the checkpoint folder")
+    from vllm import LLM, SamplingParams
+
+    key = str(Path(model).resolve())
+    if key not in _VLLM_ENGINES:
+        _VLLM_ENGINES[key] = LLM(model=key, seed=seed)
+    llm = _VLLM_ENGINES[key]
+    params = SamplingParams(
+        n=n,
+        temperature=max(0.0, float(temperature)),
+        top_p=float(top_p),
+        top_k=-1,
+        max_tokens=max_new_tokens,
+        seed=seed,
+    )
+    outputs = llm.generate(list(prompts), params, use_tqdm=False)
+    return [[choice.text for choice in out.outputs] for out in outputs]
