@@ -127,3 +127,22 @@ def test_two_process_torchrun_ranks_agree(tmp_path: Path, model_dir: Path) -> No
         assert a["advantages"] == b["advantages"]  # ...and draw the same weights
         assert sorted(a["local_rows"] + b["local_rows"]) == list(range(len(a["advantages"])))
         assert set(a["local_rows"]).isdisjoint(b["local_rows"])
+
+
+def test_truncated_completions_score_zero(tmp_path: Path, model_dir: Path) -> None:
+    """With truncated_scores_zero a completion without EOS is an empty set; with it off it is scored."""
+    from vpo.trainer import VPOTrainer
+
+    seen = {}
+    for flag in (True, False):
+        torch.manual_seed(5)
+        model, tok = _load(model_dir)
+        trainer = VPOTrainer(model=model, reward=LetterReward(),
+                             args=config(tmp_path / str(flag), max_steps=1, max_completion_length=4,
+                                         truncated_scores_zero=flag),
+                             train_dataset=toy_dataset(8), processing_class=tok)
+        trainer.train()
+        seen[flag] = trainer._vpo_counts.clone()
+    # 4 tokens rarely contain EOS: almost everything is truncated, so the flag empties those sets
+    assert seen[True].sum() < seen[False].sum()
+    assert (seen[True] <= seen[False]).all()

@@ -47,6 +47,12 @@ class VPOConfig(GRPOConfig):
     weight_sampler: str = field(default="dirichlet", metadata={"help": "'dirichlet' (iid) or 'sobol' (QMC)."})
     w_star: list[float] | None = field(default=None, metadata={"help": "Fixed scalarisation for baselines/logging."})
     advantage_eps: float = field(default=1e-6, metadata={"help": "eps of the group z-score."})
+    truncated_scores_zero: bool = field(
+        default=True,
+        metadata={"help": "A completion cut at max_completion_length (no EOS) scores as unparseable (all zero). "
+                  "Without it token-mean losses reward never stopping: answers are parsed from the text, so "
+                  "trailing junk is free and long rollouts carry more tokens."},
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -116,6 +122,7 @@ class VPOTrainer(GRPOTrainer):
             raise ValueError(f"w_star has {self._w_star.shape[0]} entries, the reward has {reward.dim} dimensions")
         self._estimator = get_estimator(args.estimator)
         self._vpo_calls: dict[str, int] = defaultdict(int)
+        self._vpo_call_step: dict[str, int] = {}
         self._vpo_sets: torch.Tensor | None = None
         self._vpo_counts: torch.Tensor | None = None
         self.last_advantages: torch.Tensor | None = None  # global (N,) vector of the latest batch
@@ -128,12 +135,15 @@ class VPOTrainer(GRPOTrainer):
         m = self.args.num_answers
         device = self.accelerator.device
         base = self.accelerator.process_index * len(prompts)
+        texts = [completion_text(c) for c in completions]
+        if self.args.truncated_scores_zero:
+            stop = {*self.eos_token_ids, self._tokenizer.pad_token_id}
+            texts = [t if len(ids) and int(ids[-1]) in stop else "" for t, ids in zip(texts, completion_ids_list)]
         if hasattr(self.vector_reward, "prefetch"):  # e.g. code_tests: run the whole batch in parallel first
-            self.vector_reward.prefetch([completion_text(c) for c in completions], inputs, m)
+            self.vector_reward.prefetch(texts, inputs, m)
         scored = [
-            score_set(self.vector_reward, completion_text(c), row, m, where=f"rollout {base + i} (row id "
-                      f"{row.get('id', '?')})")
-            for i, (c, row) in enumerate(zip(completions, inputs))
+            score_set(self.vector_reward, text, row, m, where=f"rollout {base + i} (row id {row.get('id', '?')})")
+            for i, (text, row) in enumerate(zip(texts, inputs))
         ]
         local = torch.tensor(np.stack([s.matrix for s in scored]), dtype=torch.float32, device=device)
         counts = torch.tensor([s.n_valid for s in scored], dtype=torch.long, device=device)
@@ -148,7 +158,12 @@ class VPOTrainer(GRPOTrainer):
         return [vals[i, : int(c)] for i, c in enumerate(self._vpo_counts.tolist())]
 
     def _generator(self, mode: str) -> torch.Generator:
-        """Same seed on every rank: (seed, global step, mode, call index within the step)."""
+        """Same seed on every rank: (seed, global step, mode, call index within the step). The call
+        index restarts at every step, so a run resumed from a checkpoint draws the same weights."""
+        step = self.state.global_step
+        if self._vpo_call_step.get(mode) != step:
+            self._vpo_call_step[mode] = step
+            self._vpo_calls[mode] = 0
         call = self._vpo_calls[mode]
         self._vpo_calls[mode] += 1
         seed = (self.args.seed * 1_000_003 + self.state.global_step * 7_919 + call * 104_729
