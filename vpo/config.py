@@ -241,6 +241,11 @@ class ArmConfig(_Strict):
     )
     seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
     enabled: bool = True
+    max_completion_length: PositiveInt | None = Field(
+        default=None,
+        description="token limit of this arm's rollouts (default trainer.max_completion_length); "
+        "a set of m answers needs about m times a single answer's budget",
+    )
 
     @field_validator("seeds")
     @classmethod
@@ -248,6 +253,10 @@ class ArmConfig(_Strict):
         if len(set(value)) != len(value):
             raise ValueError(f"seeds must be unique, got {value}")
         return value
+
+    def completion_length(self, trainer: TrainerConfig) -> int:
+        """This arm's completion token limit."""
+        return self.max_completion_length or trainer.max_completion_length
 
     @property
     def rollouts_per_prompt(self) -> int:
