@@ -21,6 +21,15 @@ SMALL = {
 PROMPTS = ["S...aa\n?1>", "S.\n..\nbE\n?3>", "S\n?1>"]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One torch thread: the tiny model gains nothing from more, and shared cores thrash."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("gen") / "m", route_charset(), seed=0, **SMALL)

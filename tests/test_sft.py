@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from vpo.generation import load_policy, sample
-from vpo.sft import SFT_METRICS_FILE, make_batch, train_sft
+from vpo.sft import SFT_METRICS_FILE, default_threads, make_batch, train_sft
 from vpo.tasks.route import RouteTask, route_charset
 from vpo.tiny import build_char_tokenizer
 
@@ -20,6 +20,15 @@ SMALL = {
     "num_attention_heads": 2,
     "num_key_value_heads": 1,
 }
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One torch thread: the tiny model gains nothing from more, and shared cores thrash."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def test_make_batch_masks_prompt_and_padding() -> None:
@@ -52,6 +61,7 @@ def trained(tmp_path_factory):
         m=3,
         model_size=SMALL,
         progress=False,
+        threads=1,
     )
     return task, out
 
@@ -92,11 +102,24 @@ def test_samples_parse_in_both_formats(trained) -> None:
 
 def test_same_seed_same_losses(tmp_path) -> None:
     task = RouteTask(n_train=20, n_test=2, seed=0)
-    kw = {"steps": 4, "batch_size": 4, "lr": 1e-3, "model_size": SMALL, "progress": False}
+    kw = {"steps": 4, "batch_size": 4, "lr": 1e-3, "model_size": SMALL, "progress": False, "threads": 1}
+    before = torch.get_num_threads()
     a = json.loads((train_sft(task, tmp_path / "a", seed=1, **kw) / SFT_METRICS_FILE).read_text())["losses"]
     b = json.loads((train_sft(task, tmp_path / "b", seed=1, **kw) / SFT_METRICS_FILE).read_text())["losses"]
     c = json.loads((train_sft(task, tmp_path / "c", seed=2, **kw) / SFT_METRICS_FILE).read_text())["losses"]
     assert a == b and a != c
     with pytest.raises(TypeError):
         train_sft(object(), tmp_path / "d", **kw)  # type: ignore[arg-type]
-    assert torch.get_num_threads() <= 2
+    # steps=0 saves the untrained starting model, loadable like any base
+    zero = train_sft(task, tmp_path / "zero", steps=0, model_size=SMALL, progress=False, threads=1)
+    info = json.loads((zero / SFT_METRICS_FILE).read_text())
+    assert info["steps"] == 0 and info["final_loss"] is None
+    assert AutoModelForCausalLM.from_pretrained(zero).config.vocab_size == len(set(route_charset())) + 4
+    assert torch.get_num_threads() == before, "the thread setting is restored"
+
+
+def test_default_threads_respects_env(monkeypatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert default_threads() == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")
+    assert default_threads() == 2

@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from vpo.tasks import Task
 from vpo.tiny import build_tiny_model, count_parameters
 
-__all__ = ["SFT_METRICS_FILE", "DemoTask", "make_batch", "train_sft"]
+__all__ = ["SFT_METRICS_FILE", "DemoTask", "default_threads", "make_batch", "train_sft"]
 
 SFT_METRICS_FILE = "sft_metrics.json"
 
@@ -66,6 +66,15 @@ def make_batch(
     return {"input_ids": input_ids, "attention_mask": attention, "labels": lab}
 
 
+def default_threads() -> int:
+    """Torch threads for the CPU loop: OMP_NUM_THREADS if set, else the cores, at most 2 (a tiny
+    model gains little from more, and oversubscribed cores slow it down by an order of magnitude)."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return min(2, int(env))
+    return min(2, os.cpu_count() or 1)
+
+
 def _lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
     """Linear warm-up to ``lr`` then cosine decay to 10% of it."""
     if step < warmup:
@@ -96,15 +105,55 @@ def train_sft(
 
     Starts from ``init_dir`` if given, else builds a fresh tiny model over ``task.charset``
     (``model_size`` overrides :data:`vpo.tiny.DEFAULT_SIZE`). A fraction ``p_multi`` of the
-    batches uses the m-answer format, the rest the single-answer one. Returns ``out_dir``.
+    batches uses the m-answer format, the rest the single-answer one. ``steps=0`` just saves the
+    starting model (an untrained base). ``out_dir`` may equal ``init_dir``. Returns ``out_dir``.
     """
-    if not hasattr(task, "demonstration"):
+    if steps > 0 and not hasattr(task, "demonstration"):
         raise TypeError(f"task {getattr(task, 'name', task)!r} cannot write demonstrations for SFT")
-    if steps < 1 or batch_size < 1:
-        raise ValueError("steps and batch_size must be >= 1")
+    if steps < 0 or batch_size < 1:
+        raise ValueError(f"need steps >= 0 and batch_size >= 1, got {steps} and {batch_size}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(threads or min(2, os.cpu_count() or 1))
+    prev_threads = torch.get_num_threads()
+    torch.set_num_threads(threads or default_threads())
+    try:
+        return _train(
+            task,
+            out,
+            steps,
+            batch_size,
+            lr,
+            seed,
+            m,
+            p_multi,
+            init_dir,
+            model_size,
+            warmup,
+            weight_decay,
+            grad_clip,
+            progress,
+        )
+    finally:
+        torch.set_num_threads(prev_threads)
+
+
+def _train(
+    task: Any,
+    out: Path,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    m: int,
+    p_multi: float,
+    init_dir: str | Path | None,
+    model_size: dict[str, Any] | None,
+    warmup: int,
+    weight_decay: float,
+    grad_clip: float,
+    progress: bool,
+) -> Path:
+    """The training loop behind :func:`train_sft` (threads already set)."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
 
@@ -168,8 +217,8 @@ def train_sft(
         "m": m,
         "p_multi": p_multi,
         "parameters": count_parameters(model),
-        "initial_loss": losses[0],
-        "final_loss": sum(tail) / len(tail),
+        "initial_loss": losses[0] if losses else None,
+        "final_loss": sum(tail) / len(tail) if tail else None,
         "time_s": round(elapsed, 2),
         "completion_tokens": n_tokens,
         "threads": torch.get_num_threads(),
