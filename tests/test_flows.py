@@ -1,0 +1,559 @@
+"""The Prefect ``retrain`` flow end to end, against a Prefect test server and the loopback S3 server.
+
+* ``quick_flow`` (session fixture, conftest.py) runs the whole flow once on the quick preset in a
+  temporary git + DVC repository whose DVC remote is ``s3://<bucket>/dvc`` and registry
+  ``s3://<bucket>/registry``, with the ``VPO_FAULT_ONCE=train@vpo-s0`` hook armed: that task fails
+  its first attempt and must be retried. Several tests inspect that one run (stages, artifacts,
+  registry lineage, retries, secrets); test_dvc_pipeline.py reproduces a copy of its repository.
+* A failing great_expectations check (a code dataset whose test split repeats a train prompt) stops
+  the flow at ``data`` without retrying, with a report naming the expectation and the rows.
+* Issue 6, object-store outage: the S3 server is stopped in the middle of ``dvc push`` (after the N-th
+  object PUT); the push task retries with backoff and completes once the server is back, and only
+  then are checkpoints registered, every entry's objects present. If the outage outlasts the
+  retries, the flow fails and nothing is registered.
+
+Pure helpers (plan resolution, failure parsing, tables) have fast tests without any server.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import json
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+from unittest import mock
+from uuid import UUID
+
+import pytest
+import yaml
+
+try:
+    from flows_fixtures import DVC, REPO, FlowResult, make_repo, run
+except ModuleNotFoundError:  # tests/ imported as a package
+    from tests.flows_fixtures import DVC, REPO, FlowResult, make_repo, run
+
+from flows import retrain as rt
+from vpo.registry import list_entries, verify_entry
+from vpo.storage import scan_for_secrets, secret_values
+
+QUICK_LABELS = {"data", "rewards", "base", "train@grpo-s0", "train@vpo-s0", "train@grpo_x3-s0", "evaluate"}
+
+
+# --------------------------------------------------------------------------- fast: no servers
+
+
+def test_plan_uses_dvc_stages_for_the_repo_config_and_cli_otherwise(tmp_path: Path) -> None:
+    """The repo's pipelines.yaml + dvc.yaml -> DVC mode; another config file -> direct `vpo stage`."""
+    plan = rt.make_plan("route", True, REPO / "pipelines.yaml")
+    assert plan.use_dvc and plan.variant == "route-quick"
+    assert [s.label for s in plan.steps][:3] == ["data", "rewards", "base"]
+    assert {s.label for s in plan.steps} == QUICK_LABELS
+    assert plan.steps[-1].dvc_stage == "route-quick-evaluate"
+    other = tmp_path / "other.yaml"
+    shutil.copy(REPO / "pipelines.yaml", other)
+    assert not rt.make_plan("route", True, other).use_dvc
+
+
+def test_plan_refuses_a_stale_dvc_yaml(tmp_path: Path) -> None:
+    """A dvc.yaml that lacks some of the pipeline's train stages is an error, not a silent fallback."""
+    make_repo(tmp_path / "repo")
+    raw = yaml.safe_load((tmp_path / "repo" / "pipelines.yaml").read_text())
+    raw["pipelines"]["route"]["quick"]["arms"]["vpo"]["seeds"] = [0, 7]
+    (tmp_path / "repo" / "pipelines.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    with pytest.raises(RuntimeError, match=r"stale.*train@vpo-s7.*flows.dvcgen"):
+        rt.make_plan("route", True, tmp_path / "repo" / "pipelines.yaml")
+
+
+def test_validation_failure_parsing_and_retry_policy() -> None:
+    """The GX message is cut from stage output; permanent failures skip the retry policy."""
+    lines = [
+        "Running stage 'x':",
+        "error: dataset 'p/data' failed 1 of 11 expectations:",
+        "  - expect_column_values_to_be_unique on column 'prompt': 2 of 4 rows unexpected",
+        "ERROR: failed to reproduce 'x': failed to run: vpo stage data, exited with 2",
+    ]
+    msg = rt.validation_failure(lines)
+    assert msg is not None and msg.splitlines()[0] == "dataset 'p/data' failed 1 of 11 expectations:"
+    assert msg.splitlines()[1].startswith("  - expect_column_values_to_be_unique")
+    assert rt.validation_failure(["all good"]) is None
+    assert rt._inner_rc(rt._Result(rc=255, tail=lines, seconds=1.0), use_dvc=True) == 2
+    state = mock.Mock(data=rt.DataValidationFailed("x"))
+    assert rt._retryable(mock.Mock(), mock.Mock(), state) is False
+    state.data = rt.StageFailed("transient")
+    assert rt._retryable(mock.Mock(), mock.Mock(), state) is True
+    state.data = rt.InjectedFault("once")
+    assert rt._retryable(mock.Mock(), mock.Mock(), state) is True
+
+
+def test_artifact_keys_and_tables() -> None:
+    """Keys are lowercase/digits/dashes; metrics and registry rows flatten what the stages wrote."""
+    assert rt.artifact_slug("Code_Qwen-quick") == "code-qwen-quick"
+    metrics = {
+        "arms": {
+            "vpo": {
+                "runs": ["vpo-s0"],
+                "best_at_k": {"1": {"mean": 0.25}, "5": {"mean": 0.5}},
+                "pass_at_k": {"5": {"mean": 0.75}},
+                "reward_diversity": {"mean": 0.1},
+                "collapsed_runs": 0,
+            }
+        }
+    }
+    assert rt.metrics_rows(metrics) == [
+        {
+            "arm": "vpo",
+            "runs": 1,
+            "best@1": 0.25,
+            "best@5": 0.5,
+            "pass@5": 0.75,
+            "reward_diversity": 0.1,
+            "collapsed_runs": 0,
+        }
+    ]
+    reg = {
+        "entries": [
+            {
+                "arm": "vpo-s0",
+                "hash": "ab" * 32,
+                "git_rev": "c" * 40,
+                "dvc_lock_sha256": "d" * 64,
+                "files": [{}, {}],
+                "size_bytes": 10,
+                "lineage": {"estimator": "vpo", "m": 3, "seed": 0},
+                "metrics": {"eval": {"best_at_k": {"1": 0.5}}},
+            }
+        ]
+    }
+    row = rt.registry_rows(reg)[0]
+    assert row["hash"] == "ab" * 8 and row["estimator"] == "vpo" and row["files"] == 2
+    assert json.loads(row["best_at_k"]) == {"1": 0.5}
+
+
+# --------------------------------------------------------------------------- helpers over the API
+
+
+def _client() -> Any:
+    from prefect.client.orchestration import get_client
+
+    return get_client(sync_client=True)
+
+
+def _task_runs(flow_run_id: UUID) -> dict[str, Any]:
+    """Task runs of a flow run by name (run_stage tasks are named after their stage label)."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with _client() as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {r.name: r for r in runs}
+
+
+def _state_names(task_run_id: UUID) -> list[str]:
+    with _client() as client:
+        return [s.name for s in client.read_task_run_states(task_run_id)]
+
+
+def _artifacts(flow_run_id: UUID) -> dict[str, Any]:
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    with _client() as client:
+        arts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+        )
+    return {a.key: a for a in arts if a.key}
+
+
+def _logs(flow_run_id: UUID) -> list[str]:
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=10)
+    out: list[str] = []
+    with _client() as client:
+        while True:
+            page = client.read_logs(
+                log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])),
+                limit=200,
+                offset=len(out),
+            )
+            out += [log.message for log in page]
+            if len(page) < 200:
+                return out
+
+
+def _table(artifact: Any) -> list[dict[str, Any]]:
+    data = artifact.data
+    return json.loads(data) if isinstance(data, str) else data
+
+
+def _set_storage(repo: Path, bucket: str) -> None:
+    """Point the repo's route pipeline at another bucket (storage is no DVC param: no stage re-runs)."""
+    path = repo / "pipelines.yaml"
+    raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    raw["pipelines"]["route"]["storage"].update(
+        dvc_remote=f"s3://{bucket}/dvc", registry=f"s3://{bucket}/registry"
+    )
+    path.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
+
+
+# --------------------------------------------------------------------------- progress polling
+
+_FAKE_TRAINER = """
+import json, os, sys, time
+path = sys.argv[1]
+for step in (1, 2, 3):
+    time.sleep(1.5)
+    with open(path + ".tmp", "w") as fh:
+        json.dump({"step": step, "max_steps": 3}, fh)
+    os.replace(path + ".tmp", path)
+time.sleep(1.0)
+"""
+
+
+@pytest.mark.integration
+def test_train_progress_file_is_polled_into_the_progress_artifact(
+    prefect_api: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a (fake) train subprocess writes progress.json, the task pushes each step to the artifact."""
+    from prefect import flow
+    from prefect.artifacts import create_progress_artifact
+
+    seen: list[float] = []
+    real = rt.update_progress_artifact
+
+    def spy(artifact_id: UUID, progress: float) -> Any:
+        seen.append(progress)
+        return real(artifact_id=artifact_id, progress=progress)
+
+    monkeypatch.setattr(rt, "update_progress_artifact", spy)
+    progress_file = tmp_path / "progress.json"
+    (tmp_path / "progress.json").write_text(
+        json.dumps({"step": 9, "max_steps": 9})
+    )  # stale: older than start
+    time.sleep(0.05)
+
+    @flow(name="progress-probe")
+    def probe() -> UUID:
+        artifact_id = create_progress_artifact(progress=0.0, key="probe-train-progress")
+        spec = rt.ProgressSpec(str(artifact_id), index=1, total=2, progress_file=str(progress_file))
+        cmd = [sys.executable, "-c", _FAKE_TRAINER, str(progress_file)]
+        rt.run_stage("train@probe-s0", cmd, str(tmp_path), False, "probe", spec)
+        return artifact_id
+
+    state = probe(return_state=True)
+    assert state.is_completed()
+    assert seen == [66.7, 83.3, 100.0, 100.0]
+    arts = _artifacts(state.state_details.flow_run_id)
+    assert float(arts["probe-train-progress"].data) == 100.0
+    assert any(
+        "train@probe-s0: step 2/3, training 83.3 % done" in line
+        for line in _logs(state.state_details.flow_run_id)
+    )
+
+
+# --------------------------------------------------------------------------- the whole flow, once
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_flow_runs_every_stage_then_pushes_registers_publishes(quick_flow: FlowResult) -> None:
+    """Every stage task ran (DVC re-ran each, nothing was cached), then pull, push, register, publish."""
+    assert quick_flow.state.is_completed(), quick_flow.state.message
+    result = quick_flow.state.result()
+    assert {s["stage"]: s["outcome"] for s in result["stages"]} == {label: "ran" for label in QUICK_LABELS}
+    runs = _task_runs(quick_flow.run_id)
+    assert QUICK_LABELS <= set(runs)
+    prefixes = {name.rsplit("-", 1)[0] for name in runs if name not in QUICK_LABELS}
+    assert prefixes == {"dvc-pull", "dvc-push", "register", "publish"}
+    assert all(r.state_type.value == "COMPLETED" for r in runs.values())
+    status = run(
+        [
+            DVC,
+            "status",
+            "-c",
+            "-r",
+            "storage",
+            *rt.make_plan("route", True, quick_flow.repo / "pipelines.yaml").dvc_targets,
+        ],
+        quick_flow.repo,
+    )
+    assert "in sync" in status.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_injected_failure_is_retried_and_the_flow_completes(quick_flow: FlowResult) -> None:
+    """VPO_FAULT_ONCE=train@vpo-s0: first attempt failed, the retry ran the stage, the flow completed."""
+    runs = _task_runs(quick_flow.run_id)
+    vpo_run = runs["train@vpo-s0"]
+    assert vpo_run.run_count == 2 and vpo_run.state_type.value == "COMPLETED"
+    assert "AwaitingRetry" in _state_names(vpo_run.id)
+    assert all(runs[label].run_count == 1 for label in QUICK_LABELS - {"train@vpo-s0"})
+    assert any("injected failure of task 'train@vpo-s0'" in line for line in _logs(quick_flow.run_id))
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_artifacts_report_metrics_registry_and_progress(quick_flow: FlowResult) -> None:
+    """Markdown report with the inline best@k PNG and eval table, two tables, progress at 100 %."""
+    arts = _artifacts(quick_flow.run_id)
+    assert {
+        "route-quick-report",
+        "route-quick-metrics",
+        "route-quick-registry",
+        "route-quick-train-progress",
+    } <= set(arts)
+    report = arts["route-quick-report"]
+    assert report.type == "markdown"
+    md = report.data
+    png_b64 = md.split("data:image/png;base64,", 1)[1].split(")", 1)[0]
+    png = (quick_flow.repo / "runs" / "route-quick" / "eval" / "best_at_k.png").read_bytes()
+    assert base64.b64decode(png_b64) == png and png.startswith(b"\x89PNG")
+    assert "| arm | runs | best@1" in md and all(f"| {arm} |" in md for arm in ("grpo", "vpo", "grpo_x3"))
+    metrics = _table(arts["route-quick-metrics"])
+    assert {row["arm"] for row in metrics} == {"base-m1", "base-m3", "grpo", "vpo", "grpo_x3"}
+    assert all("best@5" in row for row in metrics)
+    registry = _table(arts["route-quick-registry"])
+    assert sorted(row["arm"] for row in registry) == ["grpo-s0", "grpo_x3-s0", "vpo-s0"]
+    progress = arts["route-quick-train-progress"]
+    assert progress.type == "progress" and float(progress.data) == 100.0
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_registry_holds_every_checkpoint_with_lineage(quick_flow: FlowResult) -> None:
+    """S3 registry: one verified entry per arm run, with git rev, dvc.lock hash, params and metrics."""
+    repo = quick_flow.repo
+    entries = list_entries(f"s3://{quick_flow.bucket}/registry")
+    assert sorted(e.arm for e in entries) == ["grpo-s0", "grpo_x3-s0", "vpo-s0"]
+    head = run(["git", "rev-parse", "HEAD"], repo).stdout.strip()
+    lock_sha = hashlib.sha256((repo / "dvc.lock").read_bytes()).hexdigest()
+    for e in entries:
+        verify_entry(e)
+        assert e.git_rev == head and e.dvc_lock_sha256 == lock_sha
+        assert e.lineage["pipeline"] == "route" and e.lineage["quick"] is True
+        assert e.lineage["estimator"] == {"grpo-s0": "grpo", "vpo-s0": "vpo", "grpo_x3-s0": "grpo"}[e.arm]
+        assert e.params["trainer"]["steps"] == 4 and "best_at_k" in e.metrics["eval"]
+        model = repo / "runs" / "route-quick" / "arms" / str(e.arm) / "model"
+        assert sorted(f.path for f in e.files) == sorted(
+            p.relative_to(model).as_posix() for p in model.rglob("*") if p.is_file()
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_no_secret_in_logs_artifacts_registry_or_repo_files(quick_flow: FlowResult, s3_server: Any) -> None:
+    """The S3 keys of the session appear in no flow log, artifact, registry entry or repository file."""
+    secrets = secret_values()
+    assert s3_server.secret_key in secrets and s3_server.access_key in secrets
+    logs = "\n".join(_logs(quick_flow.run_id))
+    assert len(logs) > 1000 and not any(s in logs for s in secrets)
+    for art in _artifacts(quick_flow.run_id).values():
+        assert not any(s in str(art.data) for s in secrets), art.key
+    client = s3_server.client()
+    for obj in client.list_objects_v2(Bucket=quick_flow.bucket, Prefix="registry/entries/")["Contents"]:
+        body = client.get_object(Bucket=quick_flow.bucket, Key=obj["Key"])["Body"].read().decode()
+        assert not any(s in body for s in secrets)
+    repo = quick_flow.repo
+    assert (
+        scan_for_secrets([repo / p for p in ("pipelines.yaml", "dvc.yaml", "dvc.lock", ".dvc", "runs")]) == []
+    )
+
+
+# --------------------------------------------------------------------------- great_expectations gate
+
+
+_BAD_PIPELINES = """\
+version: 1
+default: corrupt
+pipelines:
+  corrupt:
+    description: a code dataset whose test split repeats a train prompt (whitespace differs)
+    task: {name: code, params: {source: corrupt.jsonl}}
+    model: {builder: tiny}
+    dataset: {splits: [train, test], max_prompt_chars: 4000, min_rows_per_split: 1, tests_column: tests}
+    arms: [{name: grpo, estimator: grpo, seeds: [0]}]
+    storage: {registry: runs/registry, runs_dir: runs}
+"""
+
+
+def _write_corrupt_dataset(folder: Path) -> None:
+    tests = [
+        {"input": "1 2\n", "output": "3\n", "type": "stdio"},
+        {"input": "5 5\n", "output": "10\n", "type": "stdio"},
+    ]
+    rows = [
+        {
+            "id": "add-train",
+            "prompt": "Read two integers and print their sum.",
+            "split": "train",
+            "tests": tests,
+        },
+        {
+            "id": "mul-train",
+            "prompt": "Read two integers and print their product.",
+            "split": "train",
+            "tests": [{"input": "2 3\n", "output": "6\n", "type": "stdio"}],
+        },
+        {
+            "id": "add-test",
+            "prompt": "Read two integers  and print their sum.",
+            "split": "test",
+            "tests": tests,
+        },
+        {
+            "id": "sub-test",
+            "prompt": "Read two integers and print their difference.",
+            "split": "test",
+            "tests": [{"input": "5 3\n", "output": "2\n", "type": "stdio"}],
+        },
+    ]
+    (folder / "corrupt.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    (folder / "pipelines.yaml").write_text(_BAD_PIPELINES, encoding="utf-8")
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_failed_expectation_stops_the_flow_with_a_report(prefect_api: str, tmp_path: Path) -> None:
+    """A duplicated prompt across splits fails GX in `data`: no retry, nothing downstream, a report."""
+    _write_corrupt_dataset(tmp_path)
+    state = rt.retrain(
+        pipeline="corrupt",
+        quick=False,
+        config=str(tmp_path / "pipelines.yaml"),
+        retry_delay_s=0.1,
+        return_state=True,
+    )
+    assert state.is_failed()
+    assert "expect_column_values_to_be_unique" in state.message and "prompt" in state.message
+    flow_run_id = state.state_details.flow_run_id
+    runs = _task_runs(flow_run_id)
+    assert set(runs) == {"data"} and runs["data"].run_count == 1 and runs["data"].state_type.value == "FAILED"
+    report = _artifacts(flow_run_id)["corrupt-validation-failure"]
+    assert "expect_column_values_to_be_unique" in report.data and "on column 'prompt'" in report.data
+    assert "split='train'" in report.data and "split='test'" in report.data
+    assert "Read two integers and print their sum." in report.data
+    assert not (tmp_path / "runs" / "corrupt" / "data").exists()
+    assert not (tmp_path / "runs" / "registry").exists()
+
+
+# --------------------------------------------------------------------------- issue 6: S3 outage during push
+
+
+@contextlib.contextmanager
+def _outage_after_puts(
+    server: Any, bucket: str, prefix: str, after: int, seconds: float | None, before_stop: Callable[[], None]
+) -> Iterator[threading.Event]:
+    """Stop the moto server right after the ``after``-th object PUT under ``bucket/prefix`` (moto runs
+    in this process, so its backend can be wrapped); restart it ``seconds`` later (None: at exit)."""
+    from moto.s3.models import S3Backend
+
+    original = S3Backend.put_object
+    fired, back = threading.Event(), threading.Event()
+    count, lock = [0], threading.Lock()
+
+    def cycle() -> None:
+        before_stop()
+        server.stop()
+        if seconds is not None:
+            time.sleep(seconds)
+            server.start()
+            back.set()
+
+    def put_object(self: Any, bucket_name: str, key_name: str, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, bucket_name, key_name, *args, **kwargs)
+        if bucket_name == bucket and key_name.startswith(prefix):
+            with lock:
+                count[0] += 1
+                trigger = count[0] == after
+            if trigger:
+                fired.set()
+                threading.Thread(target=cycle, name="s3-outage", daemon=True).start()
+        return result
+
+    with mock.patch.object(S3Backend, "put_object", put_object):
+        try:
+            yield fired
+        finally:
+            if seconds is not None:
+                back.wait(timeout=seconds + 30)
+            if not server.running:
+                server.start()
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_s3_outage_during_push_is_retried_and_registry_stays_consistent(
+    quick_flow: FlowResult, s3_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Server down for 5 s after the 5th pushed object: push fails, retries with backoff, completes;
+    registration happens only after it, and every entry's objects exist."""
+    repo, bucket = quick_flow.repo, s3_server.make_bucket()
+    _set_storage(repo, bucket)
+    monkeypatch.setenv(
+        "AWS_MAX_ATTEMPTS", "1"
+    )  # fail fast inside one attempt: the task retries, not botocore
+    registry = f"s3://{bucket}/registry"
+    seen_at_outage: list[int] = []
+    with _outage_after_puts(
+        s3_server,
+        bucket,
+        "dvc/",
+        after=5,
+        seconds=5.0,
+        before_stop=lambda: seen_at_outage.append(len(list_entries(registry))),
+    ) as fired:
+        state = rt.retrain(
+            pipeline="route",
+            quick=True,
+            config=str(repo / "pipelines.yaml"),
+            retry_delay_s=2.0,
+            return_state=True,
+        )
+    assert fired.is_set() and seen_at_outage == [0]
+    assert state.is_completed(), state.message
+    runs = _task_runs(state.state_details.flow_run_id)
+    push = next(r for name, r in runs.items() if name.startswith("dvc-push"))
+    assert push.run_count >= 2 and "AwaitingRetry" in _state_names(push.id)
+    assert all(runs[label].run_count == 1 for label in QUICK_LABELS)
+    entries = list_entries(registry)
+    assert sorted(e.arm for e in entries) == ["grpo-s0", "grpo_x3-s0", "vpo-s0"]
+    for e in entries:
+        verify_entry(e)
+    targets = rt.make_plan("route", True, repo / "pipelines.yaml").dvc_targets
+    assert "in sync" in run([DVC, "status", "-c", "-r", "storage", *targets], repo).stdout
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_s3_outage_outlasting_retries_fails_before_registering(
+    quick_flow: FlowResult, s3_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Server down from the first pushed object on: every push attempt fails, the flow fails, and the
+    registry holds nothing (no entry can point at objects the outage kept out)."""
+    repo, bucket = quick_flow.repo, s3_server.make_bucket()
+    _set_storage(repo, bucket)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    with _outage_after_puts(
+        s3_server, bucket, "dvc/", after=1, seconds=None, before_stop=lambda: None
+    ) as fired:
+        state = rt.retrain(
+            pipeline="route",
+            quick=True,
+            config=str(repo / "pipelines.yaml"),
+            retry_delay_s=0.5,
+            return_state=True,
+        )
+        assert fired.is_set()
+    assert state.is_failed() and "dvc push" in state.message
+    runs = _task_runs(state.state_details.flow_run_id)
+    push = next(r for name, r in runs.items() if name.startswith("dvc-push"))
+    assert push.run_count == 4 and push.state_type.value == "FAILED"
+    assert not any(name.startswith(("register", "publish")) for name in runs)
+    assert list_entries(f"s3://{bucket}/registry") == []
