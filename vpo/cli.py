@@ -6,6 +6,10 @@
     vpo ui [--pipeline P] [--quick]              start a local Prefect server, run the flow against it
     vpo serve [--pipeline P] [--cron "0 3 * * *"]  cron deployment (flow.serve)
     vpo pipelines                                list the pipelines in pipelines.yaml
+
+Exit codes: 0 done; 2 bad input (config, data, reward, checkpoint: one ``error:`` line naming the
+file/row/key and what was expected); 3 the run folder is locked by another run (``vpo run`` and
+``vpo stage`` hold ``runs/<pipeline>/.lock``, see :mod:`vpo.locking`); other codes are crashes.
 """
 
 from __future__ import annotations
@@ -42,9 +46,14 @@ def _overrides(items: Sequence[str]) -> dict[str, object]:
     out: dict[str, object] = {}
     for item in items:
         if "=" not in item:
-            raise SystemExit(f"--set expects KEY=VALUE, got {item!r}")
+            print(f"error: --set expects KEY=VALUE, got {item!r}", file=sys.stderr)
+            raise SystemExit(2)
         key, value = item.split("=", 1)
-        out[key.strip()] = yaml.safe_load(value)
+        try:
+            out[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as exc:
+            print(f"error: --set {key.strip()}: value {value!r} is not valid YAML ({exc})", file=sys.stderr)
+            raise SystemExit(2) from None
     return out
 
 
@@ -92,7 +101,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{name}: {cfg.description.strip()}")
         return 0
     cfg = _load(args)
+    from vpo.locking import LockBusyError, pipeline_lock
+    from vpo.registry import RegistryError
+    from vpo.rewards import RewardError
     from vpo.stages import STAGES, StageError, run_all, run_dir
+    from vpo.storage import redact
+    from vpo.validation import ValidationError
 
     try:
         if args.cmd == "run":
@@ -108,11 +122,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"error: unknown stage {args.name!r}; stages: {', '.join(STAGES)}", file=sys.stderr)
                 return 2
             kwargs = {"arm_name": args.arm, "seed": args.seed} if args.name == "train" else {}
-            result = STAGES[args.name](cfg, **kwargs)
+            # one arm+seed trains beside other arms (shared run lock); anything else runs alone
+            arm = f"{args.arm}-s{args.seed}" if args.name == "train" and args.arm and args.seed is not None else None
+            with pipeline_lock(run_dir(cfg), run_dir(cfg).name, arm=arm):
+                result = STAGES[args.name](cfg, **kwargs)
             print(json.dumps({"stage": args.name, "ok": True, "keys": sorted(result)}, default=str))
             return 0
-    except StageError as exc:
+    except LockBusyError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 3
+    except (StageError, RewardError, RegistryError, ValidationError) as exc:
+        print(f"error: {redact(str(exc))}", file=sys.stderr)
         return 2
     from flows import retrain as flows
 

@@ -12,15 +12,18 @@ runs offline without Prefect, and ``flows/`` wraps the same CLI as Prefect tasks
     registry.json                                          stage register
     search/...                                             stage search
 
-Every output is written atomically (temp + rename) so a crash leaves the old or the new file.
+Every output is written atomically so a crash leaves the old or the new version, never a torn one:
+``data/``, ``rewards/``, ``base/``, ``eval/`` and each arm's ``model/`` are built in a temp sibling
+folder and swapped in whole (:func:`vpo.storage.atomic_dir`), single files go through temp + rename.
+``run_all`` holds the run folder's lock (:mod:`vpo.locking`) so two runs never write it at once.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
-import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -29,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from vpo.config import ArmConfig, PipelineConfig
-from vpo.storage import atomic_write_json, atomic_write_text
+from vpo.storage import atomic_dir, atomic_write_bytes, atomic_write_json, atomic_write_text
 
 __all__ = ["STAGES", "run_dir", "load_rows", "arm_runs", "stage_data", "stage_rewards", "stage_base",
            "stage_train", "stage_evaluate", "stage_register", "stage_search", "run_all"]
@@ -54,6 +57,14 @@ def _log(msg: str) -> None:
     print(f"[vpo] {msg}", flush=True)
 
 
+def published_mode(folder: Path) -> None:
+    """Give a folder built by :func:`atomic_dir` (``mkdtemp``: mode 0700) the umask's usual mode, so
+    the published folder is as readable as one made by ``mkdir``."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+
+
 def arm_runs(cfg: PipelineConfig) -> list[tuple[ArmConfig, int, str]]:
     """(arm, seed, run id) for every enabled arm and seed, in config order."""
     return [(arm, seed, f"{arm.name}-s{seed}") for arm in cfg.enabled_arms for seed in arm.seeds]
@@ -66,11 +77,28 @@ def _rows_frame(rows_by_split: Mapping[str, Sequence[Mapping[str, Any]]]) -> Any
     records = []
     for split, rows in rows_by_split.items():
         for i, r in enumerate(rows):
-            if "id" not in r or "prompt" not in r:
-                raise StageError(f"{split} row {i}: a problem row needs 'id' and 'prompt' fields, got {sorted(r)}")
+            _check_row(r, split, i)
             records.append({"id": str(r["id"]), "split": split, "prompt": r["prompt"],
                             "payload": json.dumps(r, sort_keys=True, default=str)})
     return pd.DataFrame.from_records(records)
+
+
+def _check_row(row: Any, split: str, index: int) -> None:
+    """A problem row is a mapping with a str/int ``id`` and a non-empty string ``prompt``."""
+    where = f"dataset split {split!r}, row {index}"
+    if not isinstance(row, Mapping):
+        raise StageError(f"{where}: expected a mapping with 'id' and 'prompt' fields, got {type(row).__name__}")
+    missing = [k for k in ("id", "prompt") if k not in row]
+    if missing:
+        raise StageError(f"{where}: missing field(s) {missing}; a problem row needs 'id' and 'prompt', "
+                         f"got fields {sorted(map(str, row))}")
+    where += f" (id {row['id']!r})"
+    if isinstance(row["id"], bool) or not isinstance(row["id"], (str, int)) or str(row["id"]) == "":
+        raise StageError(f"{where}: field 'id' must be a non-empty string or an integer, "
+                         f"got {type(row['id']).__name__}")
+    if not isinstance(row["prompt"], str) or not row["prompt"].strip():
+        raise StageError(f"{where}: field 'prompt' must be a non-empty string, got "
+                         f"{type(row['prompt']).__name__} {str(row['prompt'])[:40]!r}")
 
 
 def stage_data(cfg: PipelineConfig) -> dict[str, Any]:
@@ -86,14 +114,12 @@ def stage_data(cfg: PipelineConfig) -> dict[str, Any]:
     summary = validate_dataset(df, name=f"{cfg.name}/data", max_prompt_chars=cfg.dataset.max_prompt_chars,
                                splits=cfg.dataset.splits, min_rows_per_split=cfg.dataset.min_rows_per_split)
     out = run_dir(cfg) / "data"
-    out.mkdir(parents=True, exist_ok=True)
-    for split in cfg.dataset.splits:
-        part = df[df["split"] == split].reset_index(drop=True)
-        tmp = out / f".{split}.parquet.tmp"
-        part.to_parquet(tmp, index=False)
-        os.replace(tmp, out / f"{split}.parquet")
     info = {"rows": {s: len(r) for s, r in rows.items()}, "validation": summary}
-    atomic_write_json(out / "validation.json", info)
+    with atomic_dir(out) as tmp:
+        published_mode(tmp)
+        for split in cfg.dataset.splits:
+            df[df["split"] == split].reset_index(drop=True).to_parquet(tmp / f"{split}.parquet", index=False)
+        atomic_write_json(tmp / "validation.json", info)
     _log(f"data: {info['rows']} rows validated -> {out}")
     return info
 
@@ -121,6 +147,7 @@ def _reference_answers(task: Any, row: Mapping[str, Any], rng: random.Random) ->
 def stage_rewards(cfg: PipelineConfig) -> dict[str, Any]:
     """Score reference solutions of every problem into reward vectors, validate (dimension count
     per problem, range, NaN only where a dimension is absent) and write ``rewards/reference.parquet``."""
+    from vpo.rewards import validate_reward_matrix
     from vpo.validation import reward_vectors_frame, validate_reward_vectors
 
     task = _task(cfg)
@@ -131,20 +158,23 @@ def stage_rewards(cfg: PipelineConfig) -> dict[str, Any]:
             answers = _reference_answers(task, row, rng)
             present = np.asarray(task.reward.present(row), dtype=bool)
             expected[str(row["id"])] = int(present.sum())
-            values = task.reward.score(answers, row) if answers else np.zeros((0, task.reward.dim))
+            if answers:
+                values = validate_reward_matrix(task.reward.score(answers, row), len(answers), present,
+                                                f"reference answers of {split} row id {row['id']!r}")
+            else:
+                values = np.zeros((0, task.reward.dim))
             items.append((str(row["id"]), np.asarray(values, dtype=np.float64), present))
     df = reward_vectors_frame(items, dim_names=list(task.reward.names))
     summary = validate_reward_vectors(df, name=f"{cfg.name}/rewards", num_dims=task.reward.dim,
                                       expected_present=expected)
     out = run_dir(cfg) / "rewards"
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / ".reference.parquet.tmp"
-    df.to_parquet(tmp, index=False)
-    os.replace(tmp, out / "reference.parquet")
     vals = df[df["present"]]["value"].to_numpy(dtype=float) if len(df) else np.zeros(0)
     info = {"problems": len(items), "answers": int(sum(len(v) for _, v, _ in items)),
             "mean_value": float(vals.mean()) if vals.size else None, "validation": summary}
-    atomic_write_json(out / "validation.json", info)
+    with atomic_dir(out) as tmp:
+        published_mode(tmp)
+        df.to_parquet(tmp / "reference.parquet", index=False)
+        atomic_write_json(tmp / "validation.json", info)
     _log(f"rewards: {info['answers']} reference answers over {info['problems']} problems validated")
     return info
 
@@ -156,32 +186,32 @@ def stage_base(cfg: PipelineConfig) -> dict[str, Any]:
     out = run_dir(cfg) / "base"
     task = _task(cfg)
     t0 = time.time()
-    tmp = out.with_name("base.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    if cfg.model.builder == "tiny":
-        from vpo.sft import train_sft
-
-        sft = cfg.sft
-        train_sft(task, tmp, steps=sft.steps if sft.enabled else 0, batch_size=sft.batch_size, lr=sft.lr,
-                  seed=cfg.seed, model_size=dict(cfg.model.builder_params) or None)
-    else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        src = cfg.model.path_or_id
-        assert src is not None
-        kw = {"revision": cfg.model.revision, "trust_remote_code": cfg.model.trust_remote_code}
-        tok = AutoTokenizer.from_pretrained(src, **kw)
-        model = AutoModelForCausalLM.from_pretrained(src, dtype=cfg.model.dtype, **kw)
-        _check_tokenizer(tok, src)
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        if cfg.sft.enabled and hasattr(task, "demonstration"):
+    with atomic_dir(out) as tmp:  # the old base/ stays whole until the new one is complete
+        published_mode(tmp)
+        if cfg.model.builder == "tiny":
             from vpo.sft import train_sft
+            from vpo.tiny import build_char_tokenizer
 
-            train_sft(task, tmp, steps=cfg.sft.steps, batch_size=cfg.sft.batch_size, lr=cfg.sft.lr, seed=cfg.seed,
-                      init_dir=tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
+            _check_tokenizer(build_char_tokenizer(task.charset), f"the tiny builder (task {cfg.task.name!r})")
+            sft = cfg.sft
+            train_sft(task, tmp, steps=sft.steps if sft.enabled else 0, batch_size=sft.batch_size, lr=sft.lr,
+                      seed=cfg.seed, model_size=dict(cfg.model.builder_params) or None)
+        else:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            src = cfg.model.path_or_id
+            assert src is not None
+            kw = {"revision": cfg.model.revision, "trust_remote_code": cfg.model.trust_remote_code}
+            tok = AutoTokenizer.from_pretrained(src, **kw)
+            _check_tokenizer(tok, f"model {src!r}")  # before the (possibly large) model is loaded
+            model = AutoModelForCausalLM.from_pretrained(src, dtype=cfg.model.dtype, **kw)
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+            if cfg.sft.enabled and hasattr(task, "demonstration"):
+                from vpo.sft import train_sft
+
+                train_sft(task, tmp, steps=cfg.sft.steps, batch_size=cfg.sft.batch_size, lr=cfg.sft.lr,
+                          seed=cfg.seed, init_dir=tmp)
     info = {"seconds": round(time.time() - t0, 1), "source": cfg.model.builder or cfg.model.path_or_id}
     sft_metrics = out / "sft_metrics.json"
     if sft_metrics.is_file():
@@ -191,24 +221,62 @@ def stage_base(cfg: PipelineConfig) -> dict[str, Any]:
     return info
 
 
-def _check_tokenizer(tok: Any, src: str) -> None:
+def _check_tokenizer(tok: Any, where: str) -> None:
     """Generation needs an EOS token (and padding, which falls back to EOS)."""
     if tok.eos_token_id is None:
-        raise StageError(f"tokenizer of {src!r} has no eos_token; set one (tokenizer.eos_token = ...) and save it")
+        raise StageError(f"{where}: the tokenizer has no eos_token (generation needs one to stop); set one "
+                         "(tokenizer.eos_token = ...) and save the tokenizer again")
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """Why a ``.safetensors`` file is torn (its header promises more bytes than it has), else None."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            if size < 8 or n <= 0 or 8 + n > size:
+                return f"{path.name} is truncated ({size} bytes, header needs {8 + n})"
+            header = json.loads(fh.read(n))
+    except (OSError, ValueError) as exc:
+        return f"{path.name} has an unreadable header ({exc.__class__.__name__})"
+    ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)]
+    need = 8 + n + max(ends, default=0)
+    if size < need:
+        return f"{path.name} is truncated ({size} bytes, its tensors need {need})"
+    return None
+
+
+def _check_model_dir(path: Path, what: str, fix: str) -> None:
+    """Fail with one clear StageError when ``path`` is not a complete model folder (config, intact
+    weights, tokenizer); ``fix`` says which stage rebuilds it."""
+    from vpo.registry import IncompleteCheckpointError, check_checkpoint
+
+    try:
+        check_checkpoint(path)
+    except IncompleteCheckpointError as exc:
+        raise StageError(f"{what}: {exc}; {fix}") from None
+    for weights in sorted(path.glob("*.safetensors")):
+        problem = _safetensors_problem(weights)
+        if problem:
+            raise StageError(f"{what}: incomplete checkpoint {path}: {problem}; {fix}")
 
 
 # -- train ---------------------------------------------------------------------------------------
 def stage_train(cfg: PipelineConfig, arm_name: str | None = None, seed: int | None = None) -> dict[str, Any]:
     """Train the named arm (and seed), or every enabled arm and seed; resumes interrupted runs."""
-    from vpo.train import train_arm
-
     base = run_dir(cfg) / "base"
-    if not (base / "config.json").is_file():
+    if not base.is_dir():
         raise StageError(f"{base} has no model: run `vpo stage base --pipeline {cfg.name}` first")
+    _check_model_dir(base, "base model", f"rebuild it with `vpo stage base --pipeline {cfg.name}`")
     task = _task(cfg)
     rows = load_rows(cfg, "train")
+    from transformers import AutoTokenizer
+
+    from vpo.train import train_arm
+
+    _check_tokenizer(AutoTokenizer.from_pretrained(str(base)), f"base model {base}")
     tr = cfg.trainer
     results = {}
     runs = [r for r in arm_runs(cfg) if (arm_name is None or r[0].name == arm_name) and (seed is None or r[1] == seed)]
@@ -226,7 +294,7 @@ def stage_train(cfg: PipelineConfig, arm_name: str | None = None, seed: int | No
             task, rows, base, out, estimator=arm.estimator, m=arm.m,
             num_generations=arm.num_generations * arm.rollout_multiplier, seed=s, steps=tr.steps,
             prompts_per_step=tr.prompts_per_step, lr=tr.lr, beta=tr.beta, temperature=tr.temperature,
-            max_completion_length=tr.max_completion_length, num_weights=tr.num_weights, alpha=tr.alpha,
+            max_completion_length=arm.completion_length(tr), num_weights=tr.num_weights, alpha=tr.alpha,
             sampler=tr.sampler, loss_type=tr.loss_type, gradient_accumulation_steps=tr.gradient_accumulation_steps,
             save_steps=tr.save_steps, logging_steps=tr.logging_steps, use_vllm=tr.generation_backend == "vllm",
         )
@@ -234,13 +302,15 @@ def stage_train(cfg: PipelineConfig, arm_name: str | None = None, seed: int | No
 
 
 # -- evaluate ------------------------------------------------------------------------------------
-def _policies(cfg: PipelineConfig) -> list[tuple[str, str, int, Path]]:
-    """(run id, arm name, m, model dir) for the base (in each answer format used) and every arm run."""
+def _policies(cfg: PipelineConfig) -> list[tuple[str, str, int, Path, int]]:
+    """(run id, arm name, m, model dir, token limit) for the base (in each answer format the arms
+    use) and every arm run."""
     out = []
     for m in sorted({a.m for a in cfg.enabled_arms}):
-        out.append((f"base-m{m}", f"base-m{m}", m, run_dir(cfg) / "base"))
+        limit = max(a.completion_length(cfg.trainer) for a in cfg.enabled_arms if a.m == m)
+        out.append((f"base-m{m}", f"base-m{m}", m, run_dir(cfg) / "base", limit))
     for arm, _, rid in arm_runs(cfg):
-        out.append((rid, arm.name, arm.m, run_dir(cfg) / "arms" / rid / "model"))
+        out.append((rid, arm.name, arm.m, run_dir(cfg) / "arms" / rid / "model", arm.completion_length(cfg.trainer)))
     return out
 
 
@@ -315,6 +385,13 @@ def _plot(agg: Mapping[str, Any], ks: Sequence[int], path: Path, title: str) -> 
     os.replace(tmp, path)
 
 
+def _save_npy(path: Path, array: np.ndarray) -> None:
+    """``np.save`` through temp + rename (np.save itself writes in place)."""
+    buf = io.BytesIO()
+    np.save(buf, array, allow_pickle=False)
+    atomic_write_bytes(path, buf.getvalue())
+
+
 def stage_evaluate(cfg: PipelineConfig) -> dict[str, Any]:
     """best@k / pass@k / E_w[best@k] / diversity for the base and every arm on the held-out split;
     writes eval/metrics.json (DVC metrics), eval/curves.json (DVC plots), eval/best_at_k.png, eval/table.md."""
@@ -328,34 +405,37 @@ def stage_evaluate(cfg: PipelineConfig) -> dict[str, Any]:
     if ev.max_problems:
         rows = rows[: ev.max_problems]
     out = run_dir(cfg) / "eval"
-    (out / "vectors").mkdir(parents=True, exist_ok=True)
     per_run: dict[str, Any] = {}
     groups: dict[str, list[str]] = {}
     policies = _policies(cfg)
-    for rid, arm, m, model_dir in tqdm(policies, desc="evaluate", unit="policy"):
-        if not (model_dir / "config.json").is_file():
-            raise StageError(f"{model_dir} has no model: run the train stage first")
-        t0 = time.time()
-        res, vectors = evaluate_policy(task, str(model_dir), rows, m=m, n_samples=ev.n_samples, ks=ev.k,
-                                       temperature=ev.temperature,
-                                       max_new_tokens=cfg.trainer.max_completion_length, seed=ev.seed,
-                                       num_weights=ev.num_weights)
-        res["seconds"] = round(time.time() - t0, 1)
-        np.save(out / "vectors" / f"{rid}.npy", vectors)
-        per_run[rid] = res
-        groups.setdefault(arm, []).append(rid)
-    agg = _aggregate(per_run, groups, collapse_threshold=0.1)
-    ks = [k for k in ev.k if all(str(k) in r["best_at_k"] for r in per_run.values())]
-    metrics = {"pipeline": cfg.name, "quick": cfg.quick, "n_problems": len(rows), "n_samples": ev.n_samples,
-               "k": list(ev.k), "arms": agg, "runs": per_run}
-    atomic_write_json(out / "metrics.json", metrics)
-    curves = [{"arm": arm, "k": int(k), "best_at_k": e["best_at_k"][str(k)]["mean"],
-               "expected_weighted_best_at_k": e["expected_weighted_best_at_k"][str(k)]["mean"],
-               "pass_at_k": e["pass_at_k"][str(k)]["mean"]} for arm, e in agg.items() for k in ks]
-    atomic_write_json(out / "curves.json", curves)
-    table = _table(agg, ks)
-    atomic_write_text(out / "table.md", table)
-    _plot(agg, ks, out / "best_at_k.png", f"{cfg.name}: held-out {ev.split}, {len(rows)} problems")
+    for rid, _, _, model_dir, _ in policies:  # every input checked before hours of sampling start
+        stage = "base" if rid.startswith("base") else "train"
+        _check_model_dir(model_dir, f"policy {rid}", f"rebuild it with `vpo stage {stage} --pipeline {cfg.name}`")
+    with atomic_dir(out) as tmp:  # the old eval/ stays whole until every file of the new one is written
+        published_mode(tmp)
+        (tmp / "vectors").mkdir()
+        for rid, arm, m, model_dir, limit in tqdm(policies, desc="evaluate", unit="policy"):
+            t0 = time.time()
+            res, vectors = evaluate_policy(task, str(model_dir), rows, m=m, n_samples=ev.n_samples, ks=ev.k,
+                                           temperature=ev.temperature,
+                                           max_new_tokens=limit, seed=ev.seed,
+                                           num_weights=ev.num_weights)
+            res["seconds"] = round(time.time() - t0, 1)
+            _save_npy(tmp / "vectors" / f"{rid}.npy", vectors)
+            per_run[rid] = res
+            groups.setdefault(arm, []).append(rid)
+        agg = _aggregate(per_run, groups, collapse_threshold=0.1)
+        ks = [k for k in ev.k if all(str(k) in r["best_at_k"] for r in per_run.values())]
+        metrics = {"pipeline": cfg.name, "quick": cfg.quick, "n_problems": len(rows), "n_samples": ev.n_samples,
+                   "k": list(ev.k), "arms": agg, "runs": per_run}
+        atomic_write_json(tmp / "metrics.json", metrics)
+        curves = [{"arm": arm, "k": int(k), "best_at_k": e["best_at_k"][str(k)]["mean"],
+                   "expected_weighted_best_at_k": e["expected_weighted_best_at_k"][str(k)]["mean"],
+                   "pass_at_k": e["pass_at_k"][str(k)]["mean"]} for arm, e in agg.items() for k in ks]
+        atomic_write_json(tmp / "curves.json", curves)
+        table = _table(agg, ks)
+        atomic_write_text(tmp / "table.md", table)
+        _plot(agg, ks, tmp / "best_at_k.png", f"{cfg.name}: held-out {ev.split}, {len(rows)} problems")
     _log("evaluate: table\n" + table)
     return metrics
 
@@ -379,6 +459,12 @@ def stage_register(cfg: PipelineConfig) -> dict[str, Any]:
     if eval_path.is_file():
         evals = json.loads(eval_path.read_text())["runs"]
     entries = []
+    fix = f"run `vpo stage train --pipeline {cfg.name}` first"
+    for _, _, rid in arm_runs(cfg):  # all inputs checked before anything is registered
+        metrics_path = run_dir(cfg) / "arms" / rid / "metrics.json"
+        if not metrics_path.is_file():
+            raise StageError(f"arm run {rid}: {metrics_path} is missing (training did not finish); {fix}")
+        _check_model_dir(run_dir(cfg) / "arms" / rid / "model", f"arm run {rid}", fix)
     for arm, seed, rid in arm_runs(cfg):
         model_dir = run_dir(cfg) / "arms" / rid / "model"
         train_metrics = json.loads((run_dir(cfg) / "arms" / rid / "metrics.json").read_text())
@@ -444,10 +530,13 @@ def stage_search(cfg: PipelineConfig) -> dict[str, Any]:
     for arm, seed, rid in arm_runs(cfg):
         if seed == arm.seeds[0]:
             proposers[arm.name] = ModelProposer(str(run_dir(cfg) / "arms" / rid / "model"),
-                                                max_new_tokens=cfg.trainer.max_completion_length)
+                                                max_new_tokens=max(a.completion_length(cfg.trainer)
+                                                                   for a in cfg.enabled_arms))
     out = run_dir(cfg) / "search"
-    result = run_arms(task, selected, proposers, out, iterations=sc.iterations, m=max(a.m for a in cfg.enabled_arms),
-                      seed=cfg.seed, **{k: v for k, v in sc.params.items() if k != "n_problems"})
+    m_of = {arm.name: arm.m for arm in cfg.enabled_arms}
+    result = run_arms(task, selected, proposers, out, iterations=sc.iterations, m=m_of, budget=sc.budget,
+                      seed=cfg.seed, title=f"{cfg.name}: search on {len(selected)} hardest held-out problems",
+                      **{k: v for k, v in sc.params.items() if k != "n_problems"})
     info = {"problems": [str(r["id"]) for r in selected], "hardest_subset_size": len(hard), "k_max": k_max}
     atomic_write_json(out / "selection.json", info)
     return {**info, "result": result if isinstance(result, dict) else str(result)}
@@ -466,11 +555,15 @@ STAGES: dict[str, Callable[..., dict[str, Any]]] = {
 
 def run_all(cfg: PipelineConfig, *, stages: Sequence[str] = ("data", "rewards", "base", "train", "evaluate",
                                                               "register")) -> dict[str, Any]:
-    """Run the stages in order in this process (the main job); returns each stage's summary."""
+    """Run the stages in order in this process (the main job), holding the run folder's lock
+    (:class:`vpo.locking.LockBusyError` at once if another run holds it); returns each stage's summary."""
+    from vpo.locking import pipeline_lock
+
     results = {}
-    for name in stages:
-        t0 = time.time()
-        results[name] = STAGES[name](cfg)
-        _log(f"stage {name} done in {time.time() - t0:.0f} s")
+    with pipeline_lock(run_dir(cfg), run_dir(cfg).name):
+        for name in stages:
+            t0 = time.time()
+            results[name] = STAGES[name](cfg)
+            _log(f"stage {name} done in {time.time() - t0:.0f} s")
     return results
 

@@ -2,15 +2,16 @@
 
 Resumable: checkpoints every ``save_steps`` under ``<out>/trainer/checkpoint-*``; a rerun resumes
 from the newest complete one (optimizer, scheduler, RNG, step and data position are restored by
-the HF Trainer). Metrics go to ``<out>/metrics.json`` and, through DVCLive, to ``<out>/live``
-so ``dvc plots`` / ``dvc exp show`` see them. The final model is written atomically to ``<out>/model``.
+the HF Trainer; a checkpoint torn by a kill during its save is skipped). Metrics go to
+``<out>/metrics.json`` and, through DVCLive, to ``<out>/live`` so ``dvc plots`` / ``dvc exp show``
+see them. The final model folder is swapped in atomically (:func:`vpo.storage.atomic_dir`), then
+``history.json`` and, last, ``metrics.json`` (the "arm finished" marker) are written by rename.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -19,9 +20,12 @@ from typing import Any
 from transformers import TrainerCallback
 
 from vpo.rewards import VectorReward
+from vpo.storage import atomic_dir, atomic_write_json
 from vpo.tasks import Task
 
-__all__ = ["train_arm", "latest_checkpoint", "ProgressFileCallback"]
+__all__ = ["ProgressFileCallback", "checkpoint_problem", "latest_checkpoint", "train_arm"]
+
+_CHECKPOINT_FILES = ("optimizer.pt", "scheduler.pt", "rng_state.pth")
 
 
 class ProgressFileCallback(TrainerCallback):
@@ -42,12 +46,37 @@ class ProgressFileCallback(TrainerCallback):
         os.replace(tmp, self.path)
 
 
+def checkpoint_problem(path: Path) -> str | None:
+    """Why ``checkpoint-N`` cannot be resumed from (None when it is complete): the HF Trainer writes
+    trainer_state.json last, so a parseable one naming step N, with weights, optimizer, scheduler and
+    RNG state beside it, means the save finished."""
+    state_file = path / "trainer_state.json"
+    if not state_file.is_file():
+        return "no trainer_state.json (the save was interrupted)"
+    try:
+        step = int(json.loads(state_file.read_text())["global_step"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"unreadable trainer_state.json ({exc.__class__.__name__})"
+    if f"checkpoint-{step}" != path.name:
+        return f"trainer_state.json is for step {step}"
+    if not any(path.glob("*.safetensors")) and not (path / "pytorch_model.bin").is_file():
+        return "no model weights"
+    missing = [f for f in _CHECKPOINT_FILES if not (path / f).is_file()]
+    return f"missing {', '.join(missing)}" if missing else None
+
+
 def latest_checkpoint(trainer_dir: Path) -> Path | None:
-    """The newest ``checkpoint-N`` folder that is complete (has trainer_state.json), if any."""
+    """The newest complete ``checkpoint-N`` folder (see :func:`checkpoint_problem`), if any; newer
+    torn ones are reported in the log and skipped."""
     if not trainer_dir.is_dir():
         return None
-    done = [p for p in trainer_dir.glob("checkpoint-*") if (p / "trainer_state.json").is_file()]
-    return max(done, key=lambda p: int(p.name.split("-")[-1])) if done else None
+    found = [p for p in trainer_dir.glob("checkpoint-*") if p.is_dir() and p.name.split("-")[-1].isdigit()]
+    for path in sorted(found, key=lambda p: int(p.name.split("-")[-1]), reverse=True):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        print(f"[vpo] skipping incomplete checkpoint {path}: {problem}", flush=True)
+    return None
 
 
 def _dataset(task: Task, rows: Sequence[Mapping[str, Any]], m: int) -> Any:
@@ -165,13 +194,12 @@ def train_arm(
     t0 = time.time()
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     elapsed = time.time() - t0
-    final = out / "model"
-    tmp = out / "model.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    trainer.save_model(str(tmp))
-    tok.save_pretrained(str(tmp))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
+    from vpo.stages import published_mode
+
+    with atomic_dir(out / "model") as tmp:
+        published_mode(tmp)
+        trainer.save_model(str(tmp))
+        tok.save_pretrained(str(tmp))
     logs = [rec for rec in trainer.state.log_history if "loss" in rec]
     tail = logs[-max(1, len(logs) // 4):]
     keys = sorted({k for rec in tail for k in rec if k.startswith(("vpo/", "reward", "entropy", "loss"))})
@@ -182,8 +210,12 @@ def train_arm(
                                                                                        for r in tail)))
                   for k in keys},
     }
-    (out / "history.json").write_text(json.dumps(progress_cb.history))
-    (out / "metrics.json").write_text(json.dumps(summary, indent=2))
+    # the whole run's log (restored from the checkpoint on resume), not only this process's part
+    history = [{"step": rec.get("step"), **{k: v for k, v in rec.items() if isinstance(v, (int, float))
+                                              and not isinstance(v, bool)}}
+               for rec in trainer.state.log_history]
+    atomic_write_json(out / "history.json", history)
+    atomic_write_json(out / "metrics.json", summary)  # last: its presence marks the arm as trained
     return summary
 
 

@@ -1,0 +1,118 @@
+"""Faults on a whole pipeline run: two ``vpo run --quick`` started at once on the same run folder and
+registry, with fake S3 keys and tokens in their environment.
+
+One run must refuse at once (exit 3, naming the other's pid) and write nothing; the other completes
+with consistent outputs and registry; and no secret value appears in any produced file or log.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.test_faults_support import RUN_NAME, VPO, vpo_env, write_pipelines
+
+FAKE_SECRETS = {
+    "AWS_ACCESS_KEY_ID": "AKIAFAULTSIXFAKEKEY7",
+    "AWS_SECRET_ACCESS_KEY": "fAkE6sEcReT/kEy+FoR0tHe7fAuLtTeStS9xYzQw",
+    "AWS_SESSION_TOKEN": "FwoGZXIvYXdzEFAKEsessionTOKENfaultsix0123456789abcdef",
+    "HF_TOKEN": "hf_FakeFaultSixTokenNotReal0123456789",
+    "WANDB_API_KEY": "fake0wandb0key0faultsix0000000000000000",
+}
+
+
+@dataclass
+class Race:
+    """Outcome of the two concurrent runs."""
+
+    folder: Path
+    codes: list[int]
+    pids: list[int]
+    ended: list[float]
+    logs: list[Path]
+
+
+@pytest.fixture(scope="module")
+def race(tmp_path_factory: pytest.TempPathFactory) -> Race:
+    """Start two identical `vpo run --quick` processes at the same moment and wait for both."""
+    folder = tmp_path_factory.mktemp("race")
+    write_pipelines(folder)
+    args = [str(VPO), "run", "--quick", "--config", "pipelines.yaml", "--set", "trainer.steps=2"]
+    logs = [folder / "run-a.log", folder / "run-b.log"]
+    env = vpo_env(FAKE_SECRETS)
+    procs = []
+    for log in logs:
+        with open(log, "wb") as out:
+            procs.append(subprocess.Popen(args, cwd=folder, env=env, stdout=out, stderr=subprocess.STDOUT))
+    t0, ended = time.monotonic(), [0.0, 0.0]
+    while any(p.poll() is None for p in procs):
+        for i, p in enumerate(procs):
+            if p.poll() is not None and not ended[i]:
+                ended[i] = time.monotonic() - t0
+        if time.monotonic() - t0 > 400:
+            for p in procs:
+                p.kill()
+            raise AssertionError("pipeline runs did not finish in 400 s")
+        time.sleep(0.1)
+    for i in range(2):
+        ended[i] = ended[i] or time.monotonic() - t0
+    return Race(folder, [p.returncode for p in procs], [p.pid for p in procs], ended, logs)
+
+
+def test_second_concurrent_run_refuses_at_once(race: Race) -> None:
+    """Exactly one run proceeds; the other exits 3 with the first one's pid, long before it ends."""
+    assert sorted(race.codes) == [0, 3], [log.read_text()[-2000:] for log in race.logs]
+    win, lose = race.codes.index(0), race.codes.index(3)
+    message = race.logs[lose].read_text()
+    assert (
+        f"error: pipeline {RUN_NAME} (run folder {race.folder / 'runs' / RUN_NAME}) is already running "
+        f"(pid {race.pids[win]} on" in message
+    ), message
+    assert "Traceback" not in message and "[vpo] stage" not in message, "the refused run started working"
+    assert race.ended[lose] < race.ended[win] / 2, race.ended
+
+
+def test_outputs_and_registry_are_consistent(race: Race) -> None:
+    """The winner's outputs are complete, no temp leftovers, every registry entry verifies, the
+    registered hashes are those of the arm models, and the lock is free again."""
+    import pandas as pd
+
+    from vpo.locking import pipeline_lock, read_holder
+    from vpo.registry import fetch, hash_checkpoint, list_entries, verify_entry
+
+    run = race.folder / "runs" / RUN_NAME
+    leftovers = [p for p in run.rglob(".*") if p.name not in (".lock",)]
+    assert leftovers == [], leftovers
+    for split in ("train", "test"):
+        assert len(pd.read_parquet(run / "data" / f"{split}.parquet")) > 0
+    metrics = json.loads((run / "eval" / "metrics.json").read_text())
+    assert sorted(metrics["runs"]) == ["base-m1", "base-m3", "grpo-s0", "grpo_x3-s0", "vpo-s0"]
+    registered = json.loads((run / "registry.json").read_text())["entries"]
+    entries = list_entries(race.folder / "registry")
+    assert sorted(e["hash"] for e in registered) == sorted(e.hash for e in entries)
+    for e in entries:
+        verify_entry(e)
+        assert hash_checkpoint(run / "arms" / str(e.arm) / "model")[0] == e.hash
+        fetch(e, race.folder / "fetched" / str(e.arm))
+    assert read_holder(run / ".lock") is None
+    with pipeline_lock(run, RUN_NAME):
+        pass
+
+
+def test_no_secret_in_any_produced_file_or_log(race: Race) -> None:
+    """Grep every file of the run folder, the registry, the config folder and both CLI logs."""
+    from vpo.storage import scan_for_secrets, secret_values
+
+    assert set(secret_values(FAKE_SECRETS)) == set(FAKE_SECRETS.values()), "the scanner would miss a secret"
+    files = [p for p in race.folder.rglob("*") if p.is_file()]
+    assert len(files) > 40 and any(p.suffix == ".safetensors" for p in files)
+    assert scan_for_secrets([race.folder], env=FAKE_SECRETS) == []
+    planted = race.folder.parent / "planted-control"
+    planted.mkdir(exist_ok=True)
+    (planted / "leak.bin").write_bytes(b"\x00prefix" + FAKE_SECRETS["AWS_SESSION_TOKEN"].encode() + b"\xff")
+    assert [Path(p).name for p, _ in scan_for_secrets([planted], env=FAKE_SECRETS)] == ["leak.bin"]
