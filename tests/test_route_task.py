@@ -73,6 +73,15 @@ def test_via_a_steps_on_hidden_lava() -> None:
     assert vec("RRRRRDDDDD", tol=2.0) == [1.0, 1.0, 0.0, 0.5]
 
 
+def test_pass_means_exit_without_lava() -> None:
+    task = get_task("route")
+    assert task.is_pass(vec("DDDDDRRRRR"))                                  # exit, B, no lava
+    assert task.is_pass(vec("RRDRRURDDDDD"))                                # exit, A, lava dodged
+    assert not task.is_pass(vec("RRRRRDDDDD"))                              # exit but hidden lava
+    assert not task.is_pass(vec("RRRRRDDDDD", tol=2.0))                     # half a lava penalty
+    assert not task.is_pass([0.0, 0.0, 0.0, 0.0])                           # exit not reached
+
+
 def test_dodge_of_hidden_lava_and_partial_bonus() -> None:
     # R R D R R U R D D D D D: avoids (0,3) by going through (1,3),(1,4) then up to (0,4)
     assert vec("RRDRRURDDDDD") == [1.0, 1.0, 0.0, 1.0]

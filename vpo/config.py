@@ -347,11 +347,12 @@ class StorageConfig(_Strict):
 
 
 class SearchConfig(_Strict):
-    """Optional test-time search over a trained checkpoint (best-of-n or the OpenEvolve bridge)."""
+    """Test-time search with each arm's checkpoint: our evolutionary loop (vpo.search, with a
+    best-of-k baseline at the same candidate budget) or OpenEvolve against a vLLM server."""
 
     enabled: bool = True
-    method: Literal["best_of_n", "openevolve"] = "best_of_n"
-    budget: PositiveInt = Field(default=64, description="model calls per problem")
+    method: Literal["evolution", "openevolve"] = "evolution"
+    budget: PositiveInt = Field(default=64, description="candidates per problem and arm")
     iterations: PositiveInt = 10
     server_url: str | None = Field(default=None, description="OpenAI-compatible endpoint (vLLM)")
     params: dict[str, Any] = Field(default_factory=dict)

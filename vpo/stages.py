@@ -526,13 +526,14 @@ def stage_search(cfg: PipelineConfig) -> dict[str, Any]:
         worst = sorted(mean_best, key=mean_best.get)[: int(sc.params.get("n_problems", 8))]
         selected = [r for r in rows if str(r["id"]) in set(worst)]
     selected = selected[: int(sc.params.get("n_problems", 8))]
+    out = run_dir(cfg) / "search"
+    if sc.method == "openevolve":
+        return _search_openevolve(cfg, task, selected, out)
     proposers = {}
     for arm, seed, rid in arm_runs(cfg):
         if seed == arm.seeds[0]:
             proposers[arm.name] = ModelProposer(str(run_dir(cfg) / "arms" / rid / "model"),
-                                                max_new_tokens=max(a.completion_length(cfg.trainer)
-                                                                   for a in cfg.enabled_arms))
-    out = run_dir(cfg) / "search"
+                                                max_new_tokens=arm.completion_length(cfg.trainer))
     m_of = {arm.name: arm.m for arm in cfg.enabled_arms}
     result = run_arms(task, selected, proposers, out, iterations=sc.iterations, m=m_of, budget=sc.budget,
                       seed=cfg.seed, title=f"{cfg.name}: search on {len(selected)} hardest held-out problems",
@@ -540,6 +541,37 @@ def stage_search(cfg: PipelineConfig) -> dict[str, Any]:
     info = {"problems": [str(r["id"]) for r in selected], "hardest_subset_size": len(hard), "k_max": k_max}
     atomic_write_json(out / "selection.json", info)
     return {**info, "result": result if isinstance(result, dict) else str(result)}
+
+
+def _search_openevolve(cfg: PipelineConfig, task: Any, rows: list[dict[str, Any]], out: Path) -> dict[str, Any]:
+    """OpenEvolve on each selected problem with each arm's first-seed checkpoint: the checkpoint is
+    served by vLLM's OpenAI-compatible server (``search.server_url`` host/port), one arm at a time."""
+    from urllib.parse import urlparse
+
+    from vpo.search.openevolve_bridge import VLLMServer, run_openevolve
+
+    sc = cfg.search
+    assert sc is not None
+    url = urlparse(sc.server_url or "http://127.0.0.1:8000/v1")
+    summary: dict[str, dict[str, Any]] = {}
+    for arm, seed, rid in arm_runs(cfg):
+        if seed != arm.seeds[0]:
+            continue
+        arm_out = out / "openevolve" / arm.name
+        arm_out.mkdir(parents=True, exist_ok=True)
+        with VLLMServer(run_dir(cfg) / "arms" / rid / "model", host=url.hostname or "127.0.0.1",
+                        port=url.port or 8000, seed=cfg.seed, log_path=arm_out / "vllm.log") as srv:
+            per = {str(r["id"]): run_openevolve(r, task, api_base=srv.base_url, model=srv.model,
+                                                out_dir=arm_out / str(r["id"]), iterations=sc.iterations,
+                                                seed=cfg.seed, task_name=cfg.task.name,
+                                                task_params=cfg.task.params)
+                   for r in rows}
+        summary[arm.name] = {pid: {"solved": bool(v["solved"]), "best_score": float(v["best_score"])}
+                             for pid, v in per.items()}
+        _log(f"search[openevolve] {arm.name}: solved {sum(v['solved'] for v in summary[arm.name].values())}"
+             f"/{len(rows)}")
+    atomic_write_json(out / "openevolve.json", summary)
+    return {"method": "openevolve", "arms": summary}
 
 
 STAGES: dict[str, Callable[..., dict[str, Any]]] = {

@@ -44,7 +44,7 @@ def run_arms(
     out_dir: str | Path,
     *,
     iterations: int = 200,
-    m: int = 3,
+    m: int | Mapping[str, int] = 3,
     seed: int = 0,
     budget: int | None = None,
     baseline: bool = True,
@@ -61,17 +61,21 @@ def run_arms(
     out = Path(out_dir)
     ck_dir = out / "checkpoints"
     ck_dir.mkdir(parents=True, exist_ok=True)
-    budget = iterations * m if budget is None else int(budget)
+    # ``m`` may differ per arm (a single-answer checkpoint proposes 1 candidate per call, a VPO one m):
+    # every arm gets the same candidate budget, and as many calls as it needs to spend it.
+    m_of = dict(m) if isinstance(m, Mapping) else {arm: int(m) for arm in proposers}
+    budget = iterations * max(m_of.values()) if budget is None else int(budget)
     results: dict[str, list[SearchResult]] = {}
     for arm, proposer in proposers.items():
         if BASELINE_SUFFIX in arm:
             raise ValueError(f"arm name {arm!r} may not contain {BASELINE_SUFFIX!r}")
+        arm_m = m_of[arm]
         results[arm] = run_search_batch(
             rows,
             task,
             proposer,
-            iterations=iterations,
-            m=m,
+            iterations=-(-budget // arm_m),
+            m=arm_m,
             seed=seed,
             budget=budget,
             checkpoint_path=ck_dir / f"{_slug(arm)}.search.json",
@@ -89,7 +93,7 @@ def run_arms(
                 task,
                 proposer,
                 budget=budget,
-                m=baseline_m or m,
+                m=baseline_m or arm_m,
                 seed=seed,
                 checkpoint_path=ck_dir / f"{_slug(arm)}.best_of_k.json",
                 checkpoint_every=checkpoint_every,

@@ -615,6 +615,11 @@ class RouteTask(Task):
                 break
         return format_answers(routes)
 
+    def is_pass(self, vector: Sequence[float]) -> bool:
+        """pass@k's "pass": the exit is reached and no lava (shown or hidden) is touched."""
+        v = np.asarray(vector, dtype=np.float64)
+        return bool(v[0] >= 1.0 and v[3] >= 1.0)
+
     def best_scalar(self, row: Mapping[str, Any]) -> float:
         """Full-information oracle: the best mean scalar any legal route reaches."""
         return best_scalar(row, self.reward.lava_tolerance)
