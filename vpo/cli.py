@@ -74,7 +74,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     p_run = sub.add_parser("run", help="run every stage of a pipeline in this process (the main job)")
     _common(p_run)
-    p_run.add_argument("--with-search", action="store_true", help="also run the search stage")
+    p_run.add_argument("--no-search", action="store_true",
+                       help="skip the search stage (it runs when the pipeline has an enabled `search:`)")
     p_stage = sub.add_parser("stage", help="run one stage (what dvc.yaml calls)")
     p_stage.add_argument("name", help="data | rewards | base | train | evaluate | register | search")
     _common(p_stage)
@@ -111,10 +112,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.cmd == "run":
             stages = ["data", "rewards", "base", "train", "evaluate", "register"] + (
-                ["search"] if args.with_search else [])
+                ["search"] if cfg.search is not None and cfg.search.enabled and not args.no_search else [])
             run_all(cfg, stages=stages)
             table = (run_dir(cfg) / "eval" / "table.md").read_text()
             print("\n" + table)
+            if "search" in stages:
+                print((run_dir(cfg) / "search" / "table.md").read_text())
+                print(f"search plot: {run_dir(cfg) / 'search' / 'curves.png'}")
             print(f"plot: {run_dir(cfg) / 'eval' / 'best_at_k.png'}")
             return 0
         if args.cmd == "stage":

@@ -347,7 +347,8 @@ def _table(agg: Mapping[str, Any], ks: Sequence[int]) -> str:
         lines.append(
             f"| {arm} | {len(e['runs'])} | " + " | ".join(cell("best_at_k", k) for k in ks) + " | "
             + " | ".join(cell("expected_weighted_best_at_k", k) for k in ks) + " | " + cell("pass_at_k", ks[-1])
-            + f" | {e['reward_diversity']['mean']:.3f} | {e['first_answer_mean']['mean']:.3f} | "
+            + f" | {e['reward_diversity']['mean']:.3f} ± {e['reward_diversity']['std']:.3f}"
+            f" | {e['first_answer_mean']['mean']:.3f} | "
             f"{e['collapsed_runs']}/{len(e['runs'])} |")
     return "\n".join(lines) + "\n"
 
@@ -424,10 +425,14 @@ def stage_evaluate(cfg: PipelineConfig) -> dict[str, Any]:
             _save_npy(tmp / "vectors" / f"{rid}.npy", vectors)
             per_run[rid] = res
             groups.setdefault(arm, []).append(rid)
-        agg = _aggregate(per_run, groups, collapse_threshold=0.1)
+        # a run "collapsed to one strategy" when its reward-space diversity fell below a tenth of the
+        # base model's (absolute 0.1 without a base evaluation)
+        base_div = [r["reward_diversity"] for rid, r in per_run.items() if rid.startswith("base")]
+        collapse = 0.1 * float(max(base_div)) if base_div else 0.1
+        agg = _aggregate(per_run, groups, collapse_threshold=collapse)
         ks = [k for k in ev.k if all(str(k) in r["best_at_k"] for r in per_run.values())]
         metrics = {"pipeline": cfg.name, "quick": cfg.quick, "n_problems": len(rows), "n_samples": ev.n_samples,
-                   "k": list(ev.k), "arms": agg, "runs": per_run}
+                   "k": list(ev.k), "collapse_threshold": collapse, "arms": agg, "runs": per_run}
         atomic_write_json(tmp / "metrics.json", metrics)
         curves = [{"arm": arm, "k": int(k), "best_at_k": e["best_at_k"][str(k)]["mean"],
                    "expected_weighted_best_at_k": e["expected_weighted_best_at_k"][str(k)]["mean"],
@@ -494,6 +499,7 @@ def _entry_dict(entry: Any) -> dict[str, Any]:
 def stage_search(cfg: PipelineConfig) -> dict[str, Any]:
     """Evolutionary search with each arm's first-seed checkpoint on the hardest held-out problems
     (those no arm solves at best@k_max); curves JSON + PNG under search/."""
+    from vpo.registry import hash_checkpoint
     from vpo.search import ModelProposer, hardest_subset, run_arms
 
     sc = cfg.search
@@ -511,6 +517,9 @@ def stage_search(cfg: PipelineConfig) -> dict[str, Any]:
     from vpo.metrics import pool_best_at_k
 
     w_star = np.asarray(task.reward.w_star())
+    # "solved" = reaching the problem's best achievable scalar (route: 0.75), as the search counts it
+    oracle = getattr(task, "best_scalar", None)
+    target = {str(r["id"]): float(oracle(r)) if callable(oracle) else 1.0 for r in rows}
     per_arm: dict[str, dict[str, float]] = {}
     for rid in ev["runs"]:
         if rid.startswith("base"):
@@ -518,9 +527,10 @@ def stage_search(cfg: PipelineConfig) -> dict[str, Any]:
         vec = np.load(vectors_dir / f"{rid}.npy")
         scal = scalarise(vec, w_star)
         best = pool_best_at_k(scal, min(k_max, scal.shape[1] * scal.shape[2]))
-        per_arm[rid] = {str(r["id"]): float(b) for r, b in zip(rows, np.atleast_1d(best))}
-    hard = set(hardest_subset(per_arm, k=k_max)) if per_arm else set()
-    selected = [r for r in rows if str(r["id"]) in hard]
+        per_arm[rid] = {str(r["id"]): float(b) / target[str(r["id"])] for r, b in zip(rows, np.atleast_1d(best))}
+    hard = hardest_subset(per_arm, k=k_max, threshold=1.0 - 1e-6) if per_arm else []  # hardest first
+    by_id = {str(r["id"]): r for r in rows}
+    selected = [by_id[pid] for pid in hard]
     if not selected:  # nothing is unsolved at best@k: search the lowest-scoring problems instead
         mean_best = {pid: np.mean([v[pid] for v in per_arm.values()]) for pid in next(iter(per_arm.values()))}
         worst = sorted(mean_best, key=mean_best.get)[: int(sc.params.get("n_problems", 8))]
@@ -535,12 +545,54 @@ def stage_search(cfg: PipelineConfig) -> dict[str, Any]:
             proposers[arm.name] = ModelProposer(str(run_dir(cfg) / "arms" / rid / "model"),
                                                 max_new_tokens=arm.completion_length(cfg.trainer))
     m_of = {arm.name: arm.m for arm in cfg.enabled_arms}
+    _reset_stale_search(out / "checkpoints", {
+        "problems": [str(r["id"]) for r in selected], "budget": sc.budget, "iterations": sc.iterations,
+        "seed": cfg.seed, "params": sc.params, "m": m_of,
+        "models": {a: hash_checkpoint(p.model_dir)[0] for a, p in proposers.items()}})
     result = run_arms(task, selected, proposers, out, iterations=sc.iterations, m=m_of, budget=sc.budget,
                       seed=cfg.seed, title=f"{cfg.name}: search on {len(selected)} hardest held-out problems",
                       **{k: v for k, v in sc.params.items() if k != "n_problems"})
     info = {"problems": [str(r["id"]) for r in selected], "hardest_subset_size": len(hard), "k_max": k_max}
     atomic_write_json(out / "selection.json", info)
+    table = search_table(result["curves"], result["comparison"], len(hard), k_max)
+    atomic_write_text(out / "table.md", table)
+    _log("search: table\n" + table)
     return {**info, "result": result if isinstance(result, dict) else str(result)}
+
+
+def _reset_stale_search(ck_dir: Path, key: dict[str, Any]) -> None:
+    """Search checkpoints resume an interrupted search; a search whose problems, budget or models
+    changed since (e.g. an arm was retrained) starts fresh instead."""
+    import shutil
+
+    key_file = ck_dir / "key.json"
+    if ck_dir.exists():
+        try:
+            same = json.loads(key_file.read_text()) == json.loads(json.dumps(key, default=str))
+        except (OSError, ValueError):
+            same = False
+        if not same:
+            _log(f"search: settings or checkpoints changed since {ck_dir} was written; starting fresh")
+            shutil.rmtree(ck_dir)
+    ck_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(key_file, json.loads(json.dumps(key, default=str)))
+
+
+def search_table(curves: Mapping[str, Any], comparison: Mapping[str, Any], n_hard: int, k_max: int) -> str:
+    """Markdown: problems solved and mean best score per search arm at the full candidate budget,
+    then, per pair of arms, the problems one solves and the other does not."""
+    lines = [f"Search on {next(iter(curves.values()))['n_problems']} held-out problems "
+             f"({n_hard} unsolved by every arm at best@{k_max}). Equal budget of answer slots per "
+             f"problem and arm (an m-answer policy spends m per call); candidates used = distinct "
+             f"parseable answers scored; solved = the problem's best achievable score reached.", "",
+             "| arm | solved | mean best score | candidates used |", "|---|---|---|---|"]
+    for arm, c in curves.items():
+        lines.append(f"| {arm} | {c['final_solved']}/{c['n_problems']} | {c['final_mean_best']:.3f} | "
+                     f"{c['candidates_used']} |")
+    lines += ["", "| pair (a vs b) | solved by a only | by b only | both | neither |", "|---|---|---|---|---|"]
+    for pair, d in comparison.items():
+        lines.append(f"| {pair} | {d['n_a_only']} | {d['n_b_only']} | {d['n_both']} | {d['n_neither']} |")
+    return "\n".join(lines) + "\n"
 
 
 def _search_openevolve(cfg: PipelineConfig, task: Any, rows: list[dict[str, Any]], out: Path) -> dict[str, Any]:

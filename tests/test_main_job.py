@@ -1,0 +1,72 @@
+"""End to end: the README's main command on the quick preset (`vpo run --quick`, search included), run
+as a user runs it, in a scratch folder. Every stage's declared output must exist and hold numbers
+for every arm; the printed table must be the evaluation's table."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+VPO = Path(sys.executable).with_name("vpo")
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    folder = tmp_path_factory.mktemp("main-job")
+    shutil.copy(ROOT / "pipelines.yaml", folder / "pipelines.yaml")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([str(VPO), "run", "--quick", "--config", "pipelines.yaml"],
+                          cwd=folder, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return folder / "runs" / "route-quick", proc.stdout
+
+
+def test_every_stage_output_exists(quick_run: tuple[Path, str]) -> None:
+    run, _ = quick_run
+    for rel in ("data/train.parquet", "data/test.parquet", "base/config.json", "base/model.safetensors", "eval/metrics.json",
+                "eval/best_at_k.png", "eval/table.md", "registry.json", "search/curves.json",
+                "search/curves.png", "search/selection.json", "search/table.md"):
+        assert (run / rel).is_file(), rel
+    for arm in ("grpo-s0", "vpo-s0", "grpo_x3-s0"):
+        assert (run / "arms" / arm / "model" / "model.safetensors").is_file(), arm
+        history = json.loads((run / "arms" / arm / "history.json").read_text())
+        assert len(history) >= 1
+
+
+def test_metrics_cover_every_arm_and_k(quick_run: tuple[Path, str]) -> None:
+    run, stdout = quick_run
+    metrics = json.loads((run / "eval" / "metrics.json").read_text())
+    assert {"grpo-s0", "vpo-s0", "grpo_x3-s0"} <= set(metrics["runs"])
+    for rid, r in metrics["runs"].items():
+        for k in (1, 3, 5):
+            for key in ("best_at_k", "expected_weighted_best_at_k"):
+                value = r[key][str(k)]
+                assert math.isfinite(value) and 0.0 <= value <= 1.0, (rid, key, k, value)
+    table = (run / "eval" / "table.md").read_text().strip()
+    assert table in stdout  # the final printed table is the evaluation's table
+    assert "| vpo |" in table and "| grpo |" in table and "| grpo_x3 |" in table
+    assert (run / "search" / "table.md").read_text().strip() in stdout  # and then the search table
+
+
+def test_search_spent_equal_budgets(quick_run: tuple[Path, str]) -> None:
+    run, _ = quick_run
+    selection = json.loads((run / "search" / "selection.json").read_text())
+    assert len(selection["problems"]) == 2
+    results = json.loads((run / "search" / "results.json").read_text())
+    assert set(results) == {"grpo", "grpo/best_of_k", "vpo", "vpo/best_of_k", "grpo_x3", "grpo_x3/best_of_k"}
+    m_of = {"grpo": 1, "vpo": 3, "grpo_x3": 1}
+    for name, per_problem in results.items():
+        assert [r["problem_id"] for r in per_problem] == selection["problems"], name
+        for r in per_problem:  # every arm gets the same candidate budget, spent m at a time
+            assert r["budget"] == 6 and r["candidates"] <= 6, (name, r["candidates"])
+            assert r["m"] == m_of[name.split("/")[0]], name
+            calls = -(-6 // r["m"])  # budget counts answer slots: 6 calls of 1 answer, 2 calls of 3
+            assert r["iterations"] <= calls and (r["solved"] or r["iterations"] == calls), (name, r["iterations"])
