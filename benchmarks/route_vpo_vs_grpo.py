@@ -4,7 +4,10 @@ Runs the `route` pipeline's stages (data, rewards, base, train, evaluate) with t
 overridden, then prints the table of best@k and E_w[best@k] per arm (mean ± std over seeds),
 reward-space diversity and how many runs collapsed to one strategy, and writes it next to the plot.
 
-    python benchmarks/route_vpo_vs_grpo.py --seeds 0 1 2 [--quick] [--out runs/bench]
+    python benchmarks/route_vpo_vs_grpo.py --seeds 0 1 2 [--quick] [--runs-dir runs/bench]
+
+Arms already trained are skipped, so ``--stages evaluate search`` re-evaluates and searches an
+earlier run's checkpoints without retraining.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ def main() -> None:
     ap.add_argument("--runs-dir", default="runs/bench", help="where this benchmark's run folder goes")
     ap.add_argument("--fresh", action="store_true", help="delete an earlier benchmark run folder first")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--stages", nargs="+", default=["data", "rewards", "base", "train", "evaluate", "search"],
+                    help="stages to run (search: evolutionary search with each arm's first-seed checkpoint)")
     args = ap.parse_args()
 
     import yaml
@@ -43,16 +48,20 @@ def main() -> None:
     if args.fresh:
         shutil.rmtree(run_dir(cfg), ignore_errors=True)
     t0 = time.time()
-    run_all(cfg, stages=("data", "rewards", "base", "train", "evaluate"))
+    run_all(cfg, stages=args.stages)
     minutes = (time.time() - t0) / 60
     out = run_dir(cfg) / "eval"
     metrics = json.loads((out / "metrics.json").read_text())
     table = (out / "table.md").read_text()
+    stages_arg = "" if args.stages == ap.get_default("stages") else " --stages " + " ".join(args.stages)
     report = (f"# route: VPO vs GRPO, RL seeds {args.seeds}\n\n"
               f"command: `python benchmarks/route_vpo_vs_grpo.py --seeds {' '.join(map(str, args.seeds))}"
-              f"{' --quick' if args.quick else ''}`  \n"
+              f"{' --quick' if args.quick else ''}{stages_arg}`  \n"
               f"held-out problems: {metrics['n_problems']}, candidates per problem: {metrics['n_samples']}, "
               f"wall time: {minutes:.1f} min\n\n{table}\n![best@k]({(out / 'best_at_k.png').resolve()})\n")
+    search_table = run_dir(cfg) / "search" / "table.md"
+    if "search" in args.stages and search_table.is_file():
+        report += "\n## Search (first seed of each arm)\n\n" + search_table.read_text()
     (out / "benchmark.md").write_text(report)
     print(report)
 

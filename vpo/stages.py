@@ -368,9 +368,9 @@ def _plot(agg: Mapping[str, Any], ks: Sequence[int], path: Path, title: str) -> 
             lo = np.array([e[key][str(k)]["min"] for k in xs])
             hi = np.array([e[key][str(k)]["max"] for k in xs])
             style = "--" if arm.startswith("base") else "-"
-            ax.plot(xs, ys, style, marker="o", label=f"{arm} (n={len(e['runs'])})")
+            (line,) = ax.plot(xs, ys, style, marker="o", label=f"{arm} (n={len(e['runs'])})")
             if len(e["runs"]) > 1:
-                ax.fill_between(xs, lo, hi, alpha=0.15)
+                ax.fill_between(xs, lo, hi, alpha=0.15, color=line.get_color())
         ax.set_xscale("log")
         ax.set_xticks(list(ks))
         ax.set_xticklabels([str(k) for k in ks])
