@@ -16,7 +16,6 @@ import argparse
 import json
 import shutil
 import time
-from pathlib import Path
 
 from vpo.config import load_pipeline
 from vpo.stages import run_all, run_dir

@@ -113,7 +113,7 @@ def test_nan_dimension_is_ignored_not_zeroed() -> None:
         np.testing.assert_allclose(fn(base, gids), fn(with_nan, gids), atol=1e-12, err_msg=name)
     # treating NaN as a real 0 would differ: random weight mass on the dead dimension varies per draw
     zeroed = [np.nan_to_num(x) for x in with_nan]
-    gen = lambda: torch.Generator().manual_seed(4)  # noqa: E731
+    gen = lambda: torch.Generator().manual_seed(4)
     assert not np.allclose(A.vpo_advantage(zeroed, gids, generator=gen()), A.vpo_advantage(with_nan, gids, generator=gen()))
 
 

@@ -22,23 +22,23 @@ import numpy as np
 import torch
 
 __all__ = [
+    "ESTIMATORS",
     "RewardBatch",
     "as_reward_batch",
+    "gdpo_advantage",
+    "get_estimator",
     "group_index",
     "group_zscore",
-    "sample_weights",
-    "vpo_scores",
-    "present_dims",
-    "masked_normalise",
-    "vpo_advantage",
     "grpo_advantage",
-    "gdpo_advantage",
-    "multi_rlvr_advantage",
-    "random_weight_grpo_advantage",
+    "masked_normalise",
     "maxrl_advantage",
-    "ESTIMATORS",
+    "multi_rlvr_advantage",
+    "present_dims",
+    "random_weight_grpo_advantage",
     "register_estimator",
-    "get_estimator",
+    "sample_weights",
+    "vpo_advantage",
+    "vpo_scores",
 ]
 
 ArrayLike = np.ndarray | torch.Tensor | Sequence[Sequence[float]]

@@ -19,7 +19,7 @@ from vpo.metrics import dirichlet_weights, pool_best_at_k, reward_diversity
 from vpo.rewards import VectorReward, validate_reward_matrix
 from vpo.tasks import Task
 
-__all__ = ["score_completions", "evaluate_pools", "evaluate_policy", "is_pass", "scalarise"]
+__all__ = ["evaluate_policy", "evaluate_pools", "is_pass", "scalarise", "score_completions"]
 
 
 def is_pass(task: Task, vector: np.ndarray) -> bool:

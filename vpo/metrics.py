@@ -13,16 +13,16 @@ from collections.abc import Sequence
 import numpy as np
 
 __all__ = [
-    "pass_at_k",
     "best_at_k",
     "best_at_k_coefficients",
-    "expected_weighted_best_at_k",
     "dirichlet_weights",
-    "reward_diversity",
-    "pareto_fraction",
+    "expected_weighted_best_at_k",
     "fair_num_rollouts",
-    "pool_best_at_k",
     "mean_offdiag_correlation",
+    "pareto_fraction",
+    "pass_at_k",
+    "pool_best_at_k",
+    "reward_diversity",
 ]
 
 

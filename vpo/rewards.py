@@ -16,7 +16,7 @@ import numpy as np
 
 from vpo.answers import dedup, pad_rows, parse_answers, text_key, vector_key
 
-__all__ = ["VectorReward", "RewardError", "ScoredSet", "score_set", "validate_reward_matrix"]
+__all__ = ["RewardError", "ScoredSet", "VectorReward", "score_set", "validate_reward_matrix"]
 
 
 class RewardError(ValueError):

@@ -34,8 +34,20 @@ import numpy as np
 from vpo.config import ArmConfig, PipelineConfig
 from vpo.storage import atomic_dir, atomic_write_bytes, atomic_write_json, atomic_write_text
 
-__all__ = ["STAGES", "run_dir", "load_rows", "arm_runs", "stage_data", "stage_rewards", "stage_base",
-           "stage_train", "stage_evaluate", "stage_register", "stage_search", "run_all"]
+__all__ = [
+    "STAGES",
+    "arm_runs",
+    "load_rows",
+    "run_all",
+    "run_dir",
+    "stage_base",
+    "stage_data",
+    "stage_evaluate",
+    "stage_register",
+    "stage_rewards",
+    "stage_search",
+    "stage_train",
+]
 
 
 class StageError(RuntimeError):
@@ -340,7 +352,7 @@ def _table(agg: Mapping[str, Any], ks: Sequence[int]) -> str:
         f"E_w best@{k}" for k in ks) + " | pass@" + str(ks[-1]) + " | diversity | first answer | collapsed |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for arm, e in agg.items():
-        def cell(key: str, k: int) -> str:
+        def cell(key: str, k: int, e: Mapping[str, Any] = e) -> str:
             v = e[key].get(str(k))
             return "n/a" if v is None else f"{v['mean']:.3f} ± {v['std']:.3f}"
 
@@ -528,14 +540,13 @@ def stage_search(cfg: PipelineConfig) -> dict[str, Any]:
         scal = scalarise(vec, w_star)
         best = pool_best_at_k(scal, min(k_max, scal.shape[1] * scal.shape[2]))
         per_arm[rid] = {str(r["id"]): float(b) / target[str(r["id"])] for r, b in zip(rows, np.atleast_1d(best))}
-    hard = hardest_subset(per_arm, k=k_max, threshold=1.0 - 1e-6) if per_arm else []  # hardest first
+    # the named "hardest" subset: no arm reaches the best achievable score at best@k_max (hardest first);
+    # the search takes it first, then the next hardest by mean best@k_max, up to n_problems
+    hard = hardest_subset(per_arm, k=k_max, threshold=1.0 - 1e-6) if per_arm else []
+    mean_best = {pid: float(np.mean([v[pid] for v in per_arm.values()])) for pid in target}
+    rest = sorted((pid for pid in target if pid not in set(hard)), key=lambda p: (mean_best[p], p))
     by_id = {str(r["id"]): r for r in rows}
-    selected = [by_id[pid] for pid in hard]
-    if not selected:  # nothing is unsolved at best@k: search the lowest-scoring problems instead
-        mean_best = {pid: np.mean([v[pid] for v in per_arm.values()]) for pid in next(iter(per_arm.values()))}
-        worst = sorted(mean_best, key=mean_best.get)[: int(sc.params.get("n_problems", 8))]
-        selected = [r for r in rows if str(r["id"]) in set(worst)]
-    selected = selected[: int(sc.params.get("n_problems", 8))]
+    selected = [by_id[pid] for pid in (hard + rest)[: int(sc.params.get("n_problems", 8))]]
     out = run_dir(cfg) / "search"
     if sc.method == "openevolve":
         return _search_openevolve(cfg, task, selected, out)
@@ -550,11 +561,12 @@ def stage_search(cfg: PipelineConfig) -> dict[str, Any]:
         "seed": cfg.seed, "params": sc.params, "m": m_of,
         "models": {a: hash_checkpoint(p.model_dir)[0] for a, p in proposers.items()}})
     result = run_arms(task, selected, proposers, out, iterations=sc.iterations, m=m_of, budget=sc.budget,
-                      seed=cfg.seed, title=f"{cfg.name}: search on {len(selected)} hardest held-out problems",
+                      seed=cfg.seed,
+                      title=f"{cfg.name}: search on {len(selected)} held-out problems ({len(hard)} hardest first)",
                       **{k: v for k, v in sc.params.items() if k != "n_problems"})
-    info = {"problems": [str(r["id"]) for r in selected], "hardest_subset_size": len(hard), "k_max": k_max}
+    info = {"problems": [str(r["id"]) for r in selected], "hardest_subset": hard, "k_max": k_max}
     atomic_write_json(out / "selection.json", info)
-    table = search_table(result["curves"], result["comparison"], len(hard), k_max)
+    table = search_table(result["curves"], result["comparison"], hard, k_max)
     atomic_write_text(out / "table.md", table)
     _log("search: table\n" + table)
     return {**info, "result": result if isinstance(result, dict) else str(result)}
@@ -578,16 +590,21 @@ def _reset_stale_search(ck_dir: Path, key: dict[str, Any]) -> None:
     atomic_write_json(key_file, json.loads(json.dumps(key, default=str)))
 
 
-def search_table(curves: Mapping[str, Any], comparison: Mapping[str, Any], n_hard: int, k_max: int) -> str:
-    """Markdown: problems solved and mean best score per search arm at the full candidate budget,
-    then, per pair of arms, the problems one solves and the other does not."""
-    lines = [f"Search on {next(iter(curves.values()))['n_problems']} held-out problems "
-             f"({n_hard} unsolved by every arm at best@{k_max}). Equal budget of answer slots per "
-             f"problem and arm (an m-answer policy spends m per call); candidates used = distinct "
-             f"parseable answers scored; solved = the problem's best achievable score reached.", "",
-             "| arm | solved | mean best score | candidates used |", "|---|---|---|---|"]
+def search_table(curves: Mapping[str, Any], comparison: Mapping[str, Any], hard: Sequence[str], k_max: int) -> str:
+    """Markdown: problems solved and mean best score per search arm at the full budget (overall and
+    on the hardest subset), then, per pair of arms, the problems one solves and the other does not."""
+    n = next(iter(curves.values()))["n_problems"]
+    hard_set = set(hard)
+    caption = (f"Search on {n} held-out problems, hardest first; the hardest subset is the {len(hard)} problems "
+               f"no arm solves at best@{k_max}. Equal budget of answer slots per problem and arm (an m-answer "
+               f"policy spends m per call); candidates used = distinct parseable answers scored; solved = the "
+               f"problem's best achievable score reached.")
+    lines = [caption, "",
+             f"| arm | solved | solved of the hardest {len(hard)} | mean best score | candidates used |",
+             "|---|---|---|---|---|"]
     for arm, c in curves.items():
-        lines.append(f"| {arm} | {c['final_solved']}/{c['n_problems']} | {c['final_mean_best']:.3f} | "
+        on_hard = len(hard_set & set(c["solved_ids"]))
+        lines.append(f"| {arm} | {c['final_solved']}/{c['n_problems']} | {on_hard} | {c['final_mean_best']:.3f} | "
                      f"{c['candidates_used']} |")
     lines += ["", "| pair (a vs b) | solved by a only | by b only | both | neither |", "|---|---|---|---|---|"]
     for pair, d in comparison.items():

@@ -29,11 +29,18 @@ import torch
 from accelerate.utils import gather
 from trl import GRPOConfig, GRPOTrainer
 
-from vpo.advantages import RewardBatch, get_estimator, masked_normalise, present_dims, sample_weights, vpo_scores
+from vpo.advantages import (
+    RewardBatch,
+    get_estimator,
+    masked_normalise,
+    present_dims,
+    sample_weights,
+    vpo_scores,
+)
 from vpo.metrics import reward_diversity
 from vpo.rewards import VectorReward, score_set
 
-__all__ = ["VPOConfig", "VPOTrainer", "dimension_reward_funcs", "completion_text"]
+__all__ = ["VPOConfig", "VPOTrainer", "completion_text", "dimension_reward_funcs"]
 
 
 @dataclass

@@ -12,7 +12,7 @@ from typing import Any
 from vpo.answers import add_instruction
 from vpo.rewards import VectorReward
 
-__all__ = ["Task", "register_task", "get_task", "available_tasks"]
+__all__ = ["Task", "available_tasks", "get_task", "register_task"]
 
 
 class Task:
