@@ -169,7 +169,7 @@ def masked_normalise(w: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
     """Zero absent dims and renormalise to the simplex. w: (..., d); present broadcastable."""
     w = w * present.to(w.dtype)
     total = w.sum(dim=-1, keepdim=True)
-    return torch.where(total > 0, w / total.clamp_min(1e-300), torch.zeros_like(w))
+    return w / torch.where(total > 0, total, torch.ones((), dtype=w.dtype))  # all-zero rows stay 0
 
 
 def _seed_from(generator: torch.Generator | None) -> int:
@@ -233,11 +233,19 @@ def vpo_scores(
 ) -> torch.Tensor:
     """R_hat per rollout: mean over K of max over real answers of w_k . r. ``weights`` is (G, K, d)
     already masked to each group's present dims. A rollout with no answers scores 0."""
-    w = weights[gidx]  # (N, K, d)
-    dots = torch.einsum("nmd,nkd->nmk", _clean(batch), w)  # (N, M, K)
-    dots = dots.masked_fill(~batch.rows[:, :, None], float("-inf"))
-    best = dots.max(dim=1).values  # (N, K)
-    best = torch.where(torch.isfinite(best), best, torch.zeros_like(best))
+    n, big_m, d = batch.values.shape
+    size = n // n_groups if n_groups and n % n_groups == 0 else 0
+    if size and torch.equal(gidx, torch.arange(n) // size):
+        # usual layout (TRL): contiguous groups of equal size -> one (S*M, d) @ (d, K) product per group
+        dots = torch.bmm(_clean(batch).reshape(n_groups, size * big_m, d), weights.transpose(1, 2))
+        dots = dots.reshape(n, big_m, -1)  # (N, M, K)
+    else:
+        dots = torch.einsum("nmd,nkd->nmk", _clean(batch), weights[gidx])  # (N, M, K)
+    if bool(batch.rows.all()):
+        best = dots.amax(dim=1)  # (N, K); every rollout has all M answers
+    else:
+        best = dots.masked_fill(~batch.rows[:, :, None], float("-inf")).amax(dim=1)
+        best = torch.where(torch.isfinite(best), best, torch.zeros_like(best))  # empty rollout -> 0
     # Shifted mean: exact when all K values agree (d=1 reduces bit-for-bit to GRPO's scalar).
     low = best.min(dim=1).values
     return low + (best - low[:, None]).mean(dim=1)
