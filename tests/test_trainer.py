@@ -56,6 +56,14 @@ def test_short_training_run_changes_parameters_and_logs_vpo_metrics(tmp_path: Pa
         assert key in logged, key
     pool = [rec["vpo/pool_size"] for rec in trainer.state.log_history if "vpo/pool_size" in rec]
     assert all(0 <= p <= 2 for p in pool)
+    # the logged R_hat are the ones behind the advantages (same weights): z-scoring them per group
+    # gives the advantages the last step trained on
+    from vpo.advantages import group_zscore
+
+    group = trainer.num_generations
+    gidx = torch.arange(trainer.last_vpo_scores.numel()) // group
+    rebuilt = group_zscore(trainer.last_vpo_scores, gidx, trainer.last_vpo_scores.numel() // group, 1e-6)
+    assert torch.allclose(rebuilt, trainer.last_advantages.to(rebuilt.dtype), atol=1e-9)
 
 
 def test_loss_uses_exactly_our_advantages_after_shuffle(tmp_path: Path, model_dir: Path) -> None:

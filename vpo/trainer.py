@@ -188,6 +188,8 @@ class VPOTrainer(GRPOTrainer):
         batch = RewardBatch(self._vpo_sets, rows)
         gidx = torch.arange(n_total) // group
         gen = self._generator(mode)
+        log_gen = torch.Generator()
+        log_gen.set_state(gen.get_state())  # vpo/* metrics redraw the very weights the estimator uses
         adv = self._estimator(batch, gidx, num_weights=self.args.num_weights, alpha=self.args.weight_alpha,
                               sampler=self.args.weight_sampler, generator=gen, eps=self.args.advantage_eps,
                               w_star=self._w_star)
@@ -202,12 +204,14 @@ class VPOTrainer(GRPOTrainer):
         for _ in range(min(n_total, len(logs))):
             logs.pop()
         logs.extend(adv.tolist())
-        self._log_vpo_metrics(mode, batch, gidx, group, gen)
+        self._log_vpo_metrics(mode, batch, gidx, group, log_gen)
         return out
 
     def _log_vpo_metrics(self, mode: str, batch: RewardBatch, gidx: torch.Tensor, group: int,
                          gen: torch.Generator) -> None:
-        """vpo/* metrics, identical on all ranks (computed from gathered data)."""
+        """vpo/* metrics, identical on all ranks (computed from gathered data). ``gen`` starts in the
+        state the estimator's generator had, so expected_max / group_std describe the R_hat the VPO
+        advantages were computed from."""
         metrics = self._metrics[mode]
         n_groups = int(gidx.max().item()) + 1
         counts = batch.rows.sum(1).to(torch.float64)
@@ -217,6 +221,7 @@ class VPOTrainer(GRPOTrainer):
                            sampler=self.args.weight_sampler, generator=gen)
         w = masked_normalise(w, present_dims(batch, gidx, n_groups)[:, None, :])
         scores = vpo_scores(batch, gidx, n_groups, w)
+        self.last_vpo_scores = scores
         metrics["vpo/expected_max"].append(scores.mean().item())
         mean = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, gidx, scores) / group
         var = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, gidx, (scores - mean[gidx]) ** 2) / group
