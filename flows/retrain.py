@@ -754,7 +754,10 @@ class LocalServer:
             return
         self.home.mkdir(parents=True, exist_ok=True)
         log = open(self.home / "server.log", "ab")  # noqa: SIM115 (handed to the child)
-        env = subprocess_env(PREFECT_HOME=str(self.home), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+        # the UI asks the server where the API is; without this it says :4200 whatever --port was
+        env = subprocess_env(PREFECT_HOME=str(self.home), PREFECT_SERVER_ANALYTICS_ENABLED="false",
+                             PREFECT_UI_API_URL=self.api_url, PREFECT_SERVER_API_HOST=self.host,
+                             PREFECT_SERVER_API_PORT=str(self.port))
         prefect = _exe("prefect")
         cmd = [prefect] if prefect else [sys.executable, "-m", "prefect"]
         self.proc = subprocess.Popen(
