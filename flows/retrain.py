@@ -756,8 +756,7 @@ class LocalServer:
         log = open(self.home / "server.log", "ab")  # noqa: SIM115 (handed to the child)
         # the UI asks the server where the API is; without this it says :4200 whatever --port was
         env = subprocess_env(PREFECT_HOME=str(self.home), PREFECT_SERVER_ANALYTICS_ENABLED="false",
-                             PREFECT_UI_API_URL=self.api_url, PREFECT_SERVER_API_HOST=self.host,
-                             PREFECT_SERVER_API_PORT=str(self.port))
+                             PREFECT_UI_API_URL=self.api_url)
         prefect = _exe("prefect")
         cmd = [prefect] if prefect else [sys.executable, "-m", "prefect"]
         self.proc = subprocess.Popen(

@@ -241,11 +241,8 @@ def vpo_scores(
         dots = dots.reshape(n, big_m, -1)  # (N, M, K)
     else:
         dots = torch.einsum("nmd,nkd->nmk", _clean(batch), weights[gidx])  # (N, M, K)
-    if bool(batch.rows.all()):
-        best = dots.amax(dim=1)  # (N, K); every rollout has all M answers
-    else:
-        best = dots.masked_fill(~batch.rows[:, :, None], float("-inf")).amax(dim=1)
-        best = torch.where(torch.isfinite(best), best, torch.zeros_like(best))  # empty rollout -> 0
+    best = dots.masked_fill(~batch.rows[:, :, None], float("-inf")).amax(dim=1)  # (N, K)
+    best = torch.where(torch.isfinite(best), best, torch.zeros_like(best))  # empty rollout -> 0
     # Shifted mean: exact when all K values agree (d=1 reduces bit-for-bit to GRPO's scalar).
     low = best.min(dim=1).values
     return low + (best - low[:, None]).mean(dim=1)
