@@ -50,8 +50,12 @@ def test_metrics_cover_every_arm_and_k(quick_run: tuple[Path, str]) -> None:
             for key in ("best_at_k", "expected_weighted_best_at_k"):
                 value = r[key][str(k)]
                 assert math.isfinite(value) and 0.0 <= value <= 1.0, (rid, key, k, value)
+    oracle = metrics["oracle"]["prompt_only_best_at_k"]  # the route task's reference ceiling
+    values = [oracle[str(k)] for k in metrics["k"]]
+    assert values == sorted(values) and 0.0 < values[0] <= metrics["oracle"]["full_information"] <= 1.0
     table = (run / "eval" / "table.md").read_text().strip()
     assert table in stdout  # the final printed table is the evaluation's table
+    assert "Oracle (mean scalar; answers chosen from the prompt alone" in table
     assert "| vpo |" in table and "| grpo |" in table and "| grpo_x3 |" in table
     assert (run / "search" / "table.md").read_text().strip() in stdout  # and then the search table
 

@@ -19,6 +19,7 @@ from vpo.tasks.route import (
     demo_route,
     format_answers,
     generate_problem,
+    hedge_curve,
     hedge_values,
     hidden_candidates,
     hidden_outcomes,
@@ -225,11 +226,21 @@ def test_problems_differ_in_layout() -> None:
     assert len({tuple(r["grid"]) for r in rows}) > 90
     n_walls = {sum(ch == "#" for ch in "".join(r["grid"])) for r in rows}
     assert len(n_walls) > 1
-    # hidden lava falls near A about as often as near B (p_hidden_a = 0.5)
+    # default (hidden_sides="both"): one hidden lava cell next to A and one next to B, each
+    # spread over the candidate cells of its side
+    for r in rows:
+        side_a, side_b = hidden_candidates(r)
+        assert len(set(r["hidden"]) & set(side_a)) == 1 and len(set(r["hidden"]) & set(side_b)) == 1
+        assert len(r["hidden"]) == 2 and set(r["hidden"]) <= set(r["lava"])
+    assert len({c for r in rows for c in r["hidden"]}) > 10
+    # hidden_sides="one": hidden lava falls near A about as often as near B (p_hidden_a = 0.5)
+    rows = RouteTask(n_train=0, n_test=100, seed=1, hidden_sides="one").load("test")
     near_a = sum(set(r["hidden"]) <= set(hidden_candidates(r)[0]) for r in rows)
     near_b = sum(set(r["hidden"]) <= set(hidden_candidates(r)[1]) for r in rows)
-    assert near_a + near_b == len(rows)
+    assert near_a + near_b == len(rows) and all(len(r["hidden"]) == 1 for r in rows)
     assert 30 <= near_a <= 70
+    with pytest.raises(ValueError, match="hidden_sides"):
+        RouteTask(hidden_sides="left")
 
 
 def test_prompt_format_and_charset() -> None:
@@ -269,12 +280,19 @@ def test_demonstrations_are_legal_distinct_and_diverse() -> None:
 
 
 def test_hidden_outcomes_is_a_distribution() -> None:
-    outs = hidden_outcomes(ROW)
-    assert sum(p for p, _ in outs) == pytest.approx(1.0)
-    cells = {c for _, cs in outs for c in cs}
-    assert 3 in cells  # the real hidden cell is a possible outcome
     a, b = bonus_cells(6)
-    assert set(a) <= cells and set(b) <= cells
+    side_a, side_b = hidden_candidates(ROW)
+    for sides in ("one", "both"):
+        outs = hidden_outcomes(ROW, hidden_sides=sides)
+        assert sum(p for p, _ in outs) == pytest.approx(1.0)
+        cells = {c for _, cs in outs for c in cs}
+        assert 3 in cells  # the real hidden cell is a possible outcome
+        assert set(a) <= cells and set(b) <= cells
+    # "both": every outcome is one cell per side, all pairs equally likely
+    outs = hidden_outcomes(ROW, hidden_sides="both")
+    assert len(outs) == len(side_a) * len(side_b)
+    assert all(len(set(cs) & set(side_a)) == 1 and len(set(cs) & set(side_b)) == 1 for _, cs in outs)
+    assert len({p for p, _ in outs}) == 1
 
 
 def test_hedging_pays_off() -> None:
@@ -286,9 +304,32 @@ def test_hedging_pays_off() -> None:
     assert vals[:, 1].mean() - vals[:, 0].mean() > 0.05
     # hedge values never exceed the full-information oracle in expectation
     assert vals[:, 2].mean() <= np.mean([task.best_scalar(r) for r in task.load("test")]) + 0.02
-    # on the hand-made row a single answer must gamble; a pair can be safe
-    h = hedge_values(ROW, 2)
+    # the hand-made row with hidden lava on one side: a single answer must gamble, a pair is safe
+    h = hedge_values(ROW, 2, hidden_sides="one")
     assert h[0] < 0.7 and h[1] == pytest.approx(0.75)
+
+
+def test_hedging_pays_off_past_three_answers() -> None:
+    """Why hidden_sides="both" is the default: with hidden lava on one side two answers (one per
+    side) are always enough, so search cannot gain past k=3; with one hidden cell per side the
+    prompt-only oracle keeps improving to k≈10, room for best@k to grow with k."""
+    def curves(sides: str) -> np.ndarray:
+        task = RouteTask(n_train=0, n_test=30, seed=0, hidden_sides=sides)
+        return np.array([task.hedge_curve(r, 10) for r in task.load("test")])
+
+    one, both = curves("one"), curves("both")
+    for c in (one, both):
+        assert (np.diff(c, axis=1) >= -1e-12).all()  # greedy best-of-k never decreases
+    assert one[:, 9].mean() - one[:, 2].mean() < 0.01
+    assert both[:, 9].mean() - both[:, 2].mean() > 0.04
+    # greedy k=1 is exact, and greedy never beats the exact optimum at k=2,3
+    task = RouteTask(n_train=0, n_test=10, seed=3)
+    for r in task.load("test"):
+        exact, greedy = task.hedge_values(r, 3), hedge_curve(r, 3)
+        assert greedy[0] == pytest.approx(exact[0])
+        assert greedy[1] <= exact[1] + 1e-12 and greedy[2] <= exact[2] + 1e-12
+    with pytest.raises(ValueError):
+        hedge_curve(ROW, 0)
 
 
 def test_parquet_round_trip(tmp_path) -> None:

@@ -365,7 +365,28 @@ def _table(agg: Mapping[str, Any], ks: Sequence[int]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _plot(agg: Mapping[str, Any], ks: Sequence[int], path: Path, title: str) -> None:
+def _oracle(task: Any, rows: Sequence[Mapping[str, Any]], ks: Sequence[int]) -> dict[str, Any] | None:
+    """Reference ceilings on the mean scalar for tasks that can compute them (route): the
+    prompt-only greedy best-of-k (what k answers chosen without the hidden information can reach)
+    and the full-information best. None for tasks without oracles."""
+    curve_fn = getattr(task, "hedge_curve", None)
+    if curve_fn is None or not rows or not ks:
+        return None
+    curves = np.array([curve_fn(r, max(ks)) for r in rows])
+    return {"prompt_only_best_at_k": {str(k): float(curves[:, k - 1].mean()) for k in ks},
+            "full_information": float(np.mean([task.best_scalar(r) for r in rows]))}
+
+
+def _oracle_line(oracle: Mapping[str, Any] | None, ks: Sequence[int]) -> str:
+    if not oracle:
+        return ""
+    pts = ", ".join(f"best@{k} {oracle['prompt_only_best_at_k'][str(k)]:.3f}" for k in ks)
+    return (f"\nOracle (mean scalar; answers chosen from the prompt alone, greedy): {pts}; "
+            f"best single route knowing the hidden lava: {oracle['full_information']:.3f}.\n")
+
+
+def _plot(agg: Mapping[str, Any], ks: Sequence[int], path: Path, title: str,
+          oracle: Mapping[str, Any] | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -383,6 +404,9 @@ def _plot(agg: Mapping[str, Any], ks: Sequence[int], path: Path, title: str) -> 
             (line,) = ax.plot(xs, ys, style, marker="o", label=f"{arm} (n={len(e['runs'])})")
             if len(e["runs"]) > 1:
                 ax.fill_between(xs, lo, hi, alpha=0.15, color=line.get_color())
+        if oracle and key == "best_at_k":
+            ax.plot(list(ks), [oracle["prompt_only_best_at_k"][str(k)] for k in ks], ":", color="0.4",
+                    label="oracle, prompt only")
         ax.set_xscale("log")
         ax.set_xticks(list(ks))
         ax.set_xticklabels([str(k) for k in ks])
@@ -443,16 +467,18 @@ def stage_evaluate(cfg: PipelineConfig) -> dict[str, Any]:
         collapse = 0.1 * float(max(base_div)) if base_div else 0.1
         agg = _aggregate(per_run, groups, collapse_threshold=collapse)
         ks = [k for k in ev.k if all(str(k) in r["best_at_k"] for r in per_run.values())]
+        oracle = _oracle(task, rows, ks)
         metrics = {"pipeline": cfg.name, "quick": cfg.quick, "n_problems": len(rows), "n_samples": ev.n_samples,
-                   "k": list(ev.k), "collapse_threshold": collapse, "arms": agg, "runs": per_run}
+                   "k": list(ev.k), "collapse_threshold": collapse, "arms": agg, "runs": per_run,
+                   "oracle": oracle}
         atomic_write_json(tmp / "metrics.json", metrics)
         curves = [{"arm": arm, "k": int(k), "best_at_k": e["best_at_k"][str(k)]["mean"],
                    "expected_weighted_best_at_k": e["expected_weighted_best_at_k"][str(k)]["mean"],
                    "pass_at_k": e["pass_at_k"][str(k)]["mean"]} for arm, e in agg.items() for k in ks]
         atomic_write_json(tmp / "curves.json", curves)
-        table = _table(agg, ks)
+        table = _table(agg, ks) + _oracle_line(oracle, ks)
         atomic_write_text(tmp / "table.md", table)
-        _plot(agg, ks, tmp / "best_at_k.png", f"{cfg.name}: held-out {ev.split}, {len(rows)} problems")
+        _plot(agg, ks, tmp / "best_at_k.png", f"{cfg.name}: held-out {ev.split}, {len(rows)} problems", oracle)
     _log("evaluate: table\n" + table)
     return metrics
 

@@ -10,11 +10,14 @@ shortest route that collects all of A or all of B, whichever is longer, plus ``s
 legal route within the budget touches both regions (checked for every generated problem).
 
 Hidden information (notes/route-task.md, lesson 1): besides the lava the prompt shows, each
-problem has ``n_hidden`` lava cells the prompt does NOT show. They sit in the neighbourhood
-of bonus A (the region and the cells next to it) with probability ``p_hidden_a``, otherwise in
-the neighbourhood of bonus B; the side and cells are independent of everything the prompt
-shows. A single answer must therefore gamble on one side, while a set covering both sides
-(or several variants of one side) can be relied on; :func:`hedge_values` measures the gap.
+problem has lava cells the prompt does NOT show, drawn independently of everything it shows.
+With ``hidden_sides="both"`` (the default) ``n_hidden`` of them sit in the neighbourhood of
+bonus A (the region and the cells next to it) and ``n_hidden`` in that of bonus B, so every
+bonus route gambles on where they are and several route variants per side are worth trying:
+the prompt-only oracle (:func:`hedge_curve`) keeps improving up to about ten answers. With
+``hidden_sides="one"`` all ``n_hidden`` sit next to A with probability ``p_hidden_a``,
+otherwise next to B; then one route per side is always enough (the oracle stops at k=2),
+which is why it is not the default: nothing can be gained from search past k=3.
 
 Reward vector (d = 4), all zeros unless the answer is a legal route (only ``UDLR``, never off
 the grid or into a wall) that ends on the exit within the budget:
@@ -52,6 +55,7 @@ __all__ = [
     "achievable_vectors",
     "best_scalar",
     "generate_problem",
+    "hedge_curve",
     "hedge_values",
     "hidden_outcomes",
     "make_route_task",
@@ -188,6 +192,7 @@ def generate_problem(
     slack: int = 2,
     border_walls: bool = False,
     max_tries: int = 1000,
+    hidden_sides: str = "both",
 ) -> dict[str, Any]:
     """Draw one problem: walls and shown lava first, then the hidden lava given the shown grid.
 
@@ -197,6 +202,7 @@ def generate_problem(
     """
     if size < 4:
         raise ValueError(f"size must be >= 4, got {size}")
+    _check_sides(hidden_sides)
     a, b = bonus_cells(size)
     start, goal = 0, size * size - 1
     special = {start, goal, *a, *b}
@@ -233,14 +239,24 @@ def generate_problem(
             continue  # both regions reachable within the budget: no conflict, redraw
         problem = {"size": size, "grid": rows, "budget": budget}
         side_a, side_b = hidden_candidates(problem)
-        side = side_a if rng.random() < p_hidden_a else side_b
-        if len(side) < n_hidden:
-            continue
-        hidden = sorted(rng.sample(side, n_hidden))
+        if hidden_sides == "both":
+            if min(len(side_a), len(side_b)) < n_hidden:
+                continue
+            hidden = sorted(rng.sample(side_a, n_hidden) + rng.sample(side_b, n_hidden))
+        else:
+            side = side_a if rng.random() < p_hidden_a else side_b
+            if len(side) < n_hidden:
+                continue
+            hidden = sorted(rng.sample(side, n_hidden))
         problem["hidden"] = hidden
         problem["lava"] = sorted(set(lava) | set(hidden))
         return problem
     raise RuntimeError(f"could not draw a valid route problem in {max_tries} tries (size={size})")
+
+
+def _check_sides(hidden_sides: str) -> None:
+    if hidden_sides not in ("one", "both"):
+        raise ValueError(f"hidden_sides must be 'one' or 'both', got {hidden_sides!r}")
 
 
 def _full_region_length(
@@ -376,11 +392,17 @@ def optimal_vectors(row: Mapping[str, Any], lava_tolerance: float = 1.0) -> list
 
 
 def hidden_outcomes(
-    row: Mapping[str, Any], n_hidden: int = 1, p_hidden_a: float = 0.5
+    row: Mapping[str, Any], n_hidden: int = 1, p_hidden_a: float = 0.5, hidden_sides: str = "both"
 ) -> list[tuple[float, tuple[int, ...]]]:
     """The exact distribution of the hidden lava given only what the prompt shows, as
     (probability, hidden cells) pairs; it is the generator's own hidden-lava step."""
+    _check_sides(hidden_sides)
     side_a, side_b = hidden_candidates(row)
+    if hidden_sides == "both":
+        combos_a = list(itertools.combinations(side_a, n_hidden))
+        combos_b = list(itertools.combinations(side_b, n_hidden))
+        n = len(combos_a) * len(combos_b)
+        return [(1.0 / n, tuple(sorted(x + y))) for x in combos_a for y in combos_b]
     out: list[tuple[float, tuple[int, ...]]] = []
     for p_side, side in ((p_hidden_a, side_a), (1.0 - p_hidden_a, side_b)):
         combos = list(itertools.combinations(side, n_hidden))
@@ -391,28 +413,19 @@ def hidden_outcomes(
     return [(p / total, cells) for p, cells in out]
 
 
-def hedge_values(
-    row: Mapping[str, Any],
-    k_max: int = 3,
-    n_hidden: int = 1,
-    p_hidden_a: float = 0.5,
-    lava_tolerance: float = 1.0,
-) -> list[float]:
-    """Best expected best-of-k mean scalar for k = 1..k_max when the k routes are chosen from the
-    prompt alone (hidden lava unknown, averaged over its exact distribution). Entry k-1 is what
-    an ideal k-answer policy can reach; the gap between k=1 and k>1 is what hedging is worth.
-    Exact (exhaustive over route classes) for k_max <= 3."""
-    if not 1 <= k_max <= 3:
-        raise ValueError(f"k_max must be 1, 2 or 3, got {k_max}")
+def _outcome_matrix(
+    row: Mapping[str, Any], n_hidden: int, p_hidden_a: float, hidden_sides: str, lava_tolerance: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """(scal, probs): scal[i, o] is the mean scalar of undominated route class i under hidden
+    outcome o, probs[o] the outcome's probability given the prompt."""
     size = int(row["size"])
     a, b = bonus_cells(size)
-    outcomes = hidden_outcomes(row, n_hidden, p_hidden_a)
+    outcomes = hidden_outcomes(row, n_hidden, p_hidden_a, hidden_sides)
     side_a, side_b = hidden_candidates(row)
     shown = _visible_lava(row)
     relevant = sorted(set(a) | set(b) | set(shown) | set(side_a) | set(side_b))
     masks = sorted(_reachable_masks(size, _problem_walls(row), int(row["budget"]), relevant))
     probs = np.array([p for p, _ in outcomes])
-    # scal[i, o]: mean scalar of route class i under hidden outcome o
     scal = np.stack(
         [
             _mask_vectors(row, relevant, masks, set(shown) | set(cells), lava_tolerance).mean(axis=1)
@@ -420,7 +433,24 @@ def hedge_values(
         ],
         axis=1,
     )
-    scal = _undominated(np.unique(scal, axis=0))
+    return _undominated(np.unique(scal, axis=0)), probs
+
+
+def hedge_values(
+    row: Mapping[str, Any],
+    k_max: int = 3,
+    n_hidden: int = 1,
+    p_hidden_a: float = 0.5,
+    lava_tolerance: float = 1.0,
+    hidden_sides: str = "both",
+) -> list[float]:
+    """Best expected best-of-k mean scalar for k = 1..k_max when the k routes are chosen from the
+    prompt alone (hidden lava unknown, averaged over its exact distribution). Entry k-1 is what
+    an ideal k-answer policy can reach; the gap between k=1 and k>1 is what hedging is worth.
+    Exact (exhaustive over route classes) for k_max <= 3."""
+    if not 1 <= k_max <= 3:
+        raise ValueError(f"k_max must be 1, 2 or 3, got {k_max}")
+    scal, probs = _outcome_matrix(row, n_hidden, p_hidden_a, hidden_sides, lava_tolerance)
     values = [float((scal @ probs).max())]
     if k_max >= 2:
         pair = np.maximum(scal[:, None, :], scal[None, :, :]) @ probs
@@ -432,6 +462,31 @@ def hedge_values(
             best3 = max(best3, float(trip.max()))
         values.append(best3)
     return values
+
+
+def hedge_curve(
+    row: Mapping[str, Any],
+    k_max: int = 30,
+    n_hidden: int = 1,
+    p_hidden_a: float = 0.5,
+    lava_tolerance: float = 1.0,
+    hidden_sides: str = "both",
+) -> list[float]:
+    """Greedy prompt-only best-of-k for k = 1..k_max: add, one at a time, the route that raises
+    the expected best mean scalar most. Expected best-of-k is monotone submodular in the set, so
+    entry k is within a factor 1 - 1/e of the optimum (and exact at k = 1); it shows how far
+    past k = 3 search can still gain on a problem."""
+    if k_max < 1:
+        raise ValueError(f"k_max must be >= 1, got {k_max}")
+    scal, probs = _outcome_matrix(row, n_hidden, p_hidden_a, hidden_sides, lava_tolerance)
+    cur = np.zeros(len(probs))
+    out = []
+    for _ in range(k_max):
+        gains = np.maximum(scal, cur) @ probs
+        i = int(gains.argmax())
+        cur = np.maximum(cur, scal[i])
+        out.append(float(gains[i]))
+    return out
 
 
 def _undominated(scal: np.ndarray) -> np.ndarray:
@@ -522,6 +577,7 @@ class RouteTask(Task):
         slack: int = 2,
         border_walls: bool = False,
         lava_tolerance: float = 1.0,
+        hidden_sides: str = "both",
     ) -> None:
         self.size = int(size)
         self.n_train, self.n_test, self.seed = int(n_train), int(n_test), int(seed)
@@ -529,6 +585,8 @@ class RouteTask(Task):
         self.n_lava = (int(n_lava[0]), int(n_lava[1]))
         self.n_hidden, self.p_hidden_a, self.slack = int(n_hidden), float(p_hidden_a), int(slack)
         self.border_walls = bool(border_walls)
+        _check_sides(hidden_sides)
+        self.hidden_sides = hidden_sides
         self.reward = RouteReward(lava_tolerance)
         self._splits: dict[str, list[dict[str, Any]]] = {}
 
@@ -546,6 +604,7 @@ class RouteTask(Task):
             "p_hidden_a": self.p_hidden_a,
             "slack": self.slack,
             "border_walls": self.border_walls,
+            "hidden_sides": self.hidden_sides,
             "lava_tolerance": self.reward.lava_tolerance,
         }
 
@@ -569,6 +628,7 @@ class RouteTask(Task):
                 self.p_hidden_a,
                 self.slack,
                 self.border_walls,
+                hidden_sides=self.hidden_sides,
             )
             key = _problem_key(prob)
             visible = "\n".join(prob["grid"])
@@ -630,7 +690,15 @@ class RouteTask(Task):
 
     def hedge_values(self, row: Mapping[str, Any], k_max: int = 3) -> list[float]:
         """Prompt-only oracle: best expected best-of-k for k = 1..k_max (see :func:`hedge_values`)."""
-        return hedge_values(row, k_max, self.n_hidden, self.p_hidden_a, self.reward.lava_tolerance)
+        return hedge_values(
+            row, k_max, self.n_hidden, self.p_hidden_a, self.reward.lava_tolerance, self.hidden_sides
+        )
+
+    def hedge_curve(self, row: Mapping[str, Any], k_max: int = 30) -> list[float]:
+        """Prompt-only greedy best-of-k for k = 1..k_max (see :func:`hedge_curve`)."""
+        return hedge_curve(
+            row, k_max, self.n_hidden, self.p_hidden_a, self.reward.lava_tolerance, self.hidden_sides
+        )
 
 
 @register_task("route")
