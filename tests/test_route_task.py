@@ -221,6 +221,19 @@ def test_splits_disjoint_and_ids_unique() -> None:
         task.load("validation")
 
 
+def test_no_fixed_route_is_legal_everywhere() -> None:
+    # Default: walls may block the border corridors, so the answer must depend on the grid. With
+    # interior walls only, the two border routes are legal on every problem (what trained policies
+    # then answered everywhere, README issue 7).
+    border = ("RRRRRDDDDD", "DDDDDRRRRR")
+    rows = RouteTask(n_train=0, n_test=100, seed=1).load("test")
+    for route in border:
+        legal = sum(walk(route, r) is not None for r in rows)
+        assert 40 < legal < 80, (route, legal)  # 56 and 60 of 100 here
+    inner = RouteTask(n_train=0, n_test=100, seed=1, border_walls=False).load("test")
+    assert all(walk(route, r) is not None for r in inner for route in border)
+
+
 def test_problems_differ_in_layout() -> None:
     rows = RouteTask(n_train=0, n_test=100, seed=1).load("test")
     assert len({tuple(r["grid"]) for r in rows}) > 90

@@ -5,6 +5,13 @@ the bottom-right one. Bonus region A (``a``) is the three-cell L in the top-righ
 bonus region B (``b``) the one in the bottom-left corner. ``#`` cells are walls, ``~`` cells
 are lava the prompt shows, ``.`` is free floor. An answer is a string of moves ``U D L R``.
 
+Walls (1 to 4 by default) may fall on any floor cell, the border corridors included
+(``border_walls=True``, the default), so no fixed route is legal on every problem and a policy has
+to read the grid. With walls on interior cells only (``border_walls=False``) the two border routes
+``RRRRRDDDDD`` and ``DDDDDRRRRR`` are always legal and collect a whole bonus region; trained
+policies then answer the same routes on every problem and search has nothing to choose from
+(README, issue 7).
+
 Conflict by construction (VPO_SPEC section 3, Maze): the step budget is the length of the
 shortest route that collects all of A or all of B, whichever is longer, plus ``slack``; no
 legal route within the budget touches both regions (checked for every generated problem).
@@ -185,19 +192,19 @@ def hidden_candidates(row: Mapping[str, Any]) -> tuple[list[int], list[int]]:
 def generate_problem(
     rng: random.Random,
     size: int = 6,
-    n_walls: tuple[int, int] = (0, 3),
+    n_walls: tuple[int, int] = (1, 4),
     n_lava: tuple[int, int] = (1, 2),
     n_hidden: int = 1,
     p_hidden_a: float = 0.5,
     slack: int = 2,
-    border_walls: bool = False,
+    border_walls: bool = True,
     max_tries: int = 1000,
     hidden_sides: str = "both",
 ) -> dict[str, Any]:
     """Draw one problem: walls and shown lava first, then the hidden lava given the shown grid.
 
-    Walls go on interior cells only unless ``border_walls`` (then the border corridors can be
-    blocked too and the budget grows with the detour). Returns a JSON-serialisable dict with ``size``, ``grid`` (the shown rows), ``lava`` (flat
+    Walls go on any floor cell when ``border_walls`` (then the border corridors can be blocked and
+    the budget grows with the detour), on interior cells only otherwise. Returns a JSON-serialisable dict with ``size``, ``grid`` (the shown rows), ``lava`` (flat
     indices of all lava, shown and hidden), ``hidden`` (the hidden subset) and ``budget``.
     """
     if size < 4:
@@ -570,12 +577,12 @@ class RouteTask(Task):
         n_train: int = 1000,
         n_test: int = 100,
         seed: int = 0,
-        n_walls: tuple[int, int] | Sequence[int] = (0, 3),
+        n_walls: tuple[int, int] | Sequence[int] = (1, 4),
         n_lava: tuple[int, int] | Sequence[int] = (1, 2),
         n_hidden: int = 1,
         p_hidden_a: float = 0.5,
         slack: int = 2,
-        border_walls: bool = False,
+        border_walls: bool = True,
         lava_tolerance: float = 1.0,
         hidden_sides: str = "both",
     ) -> None:
