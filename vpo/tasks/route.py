@@ -204,8 +204,9 @@ def generate_problem(
     """Draw one problem: walls and shown lava first, then the hidden lava given the shown grid.
 
     Walls go on any floor cell when ``border_walls`` (then the border corridors can be blocked and
-    the budget grows with the detour), on interior cells only otherwise. Returns a JSON-serialisable dict with ``size``, ``grid`` (the shown rows), ``lava`` (flat
-    indices of all lava, shown and hidden), ``hidden`` (the hidden subset) and ``budget``.
+    the budget grows with the detour), on interior cells only otherwise. Returns a
+    JSON-serialisable dict with ``size``, ``grid`` (the shown rows), ``lava`` (flat indices of all
+    lava, shown and hidden), ``hidden`` (the hidden subset) and ``budget``.
     """
     if size < 4:
         raise ValueError(f"size must be >= 4, got {size}")
