@@ -696,17 +696,17 @@ class RouteTask(Task):
         """Full-information oracle: the distinct reward vectors that reach the best scalar."""
         return optimal_vectors(row, self.reward.lava_tolerance)
 
+    def _hidden_args(self) -> tuple[int, float, float, str]:
+        """(n_hidden, p_hidden_a, lava_tolerance, hidden_sides): what the prompt-only oracles need."""
+        return self.n_hidden, self.p_hidden_a, self.reward.lava_tolerance, self.hidden_sides
+
     def hedge_values(self, row: Mapping[str, Any], k_max: int = 3) -> list[float]:
         """Prompt-only oracle: best expected best-of-k for k = 1..k_max (see :func:`hedge_values`)."""
-        return hedge_values(
-            row, k_max, self.n_hidden, self.p_hidden_a, self.reward.lava_tolerance, self.hidden_sides
-        )
+        return hedge_values(row, k_max, *self._hidden_args())
 
     def hedge_curve(self, row: Mapping[str, Any], k_max: int = 30) -> list[float]:
         """Prompt-only greedy best-of-k for k = 1..k_max (see :func:`hedge_curve`)."""
-        return hedge_curve(
-            row, k_max, self.n_hidden, self.p_hidden_a, self.reward.lava_tolerance, self.hidden_sides
-        )
+        return hedge_curve(row, k_max, *self._hidden_args())
 
 
 @register_task("route")
