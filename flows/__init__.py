@@ -1,4 +1,5 @@
-"""Prefect orchestration of the pipeline (``flows.retrain``) and the dvc.yaml generator (``flows.dvcgen``).
+"""Prefect orchestration of the pipeline: the plan (from the stage table), the tasks, the report, a
+local server for the UI, and the ``retrain`` flow with its cron deployment.
 
-Importing the package imports neither Prefect nor DVC; ``flows.retrain`` does.
+Importing the package imports neither Prefect nor DVC; its modules do.
 """

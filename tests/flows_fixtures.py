@@ -2,7 +2,7 @@
 
 Tests never run ``dvc`` in the shared checkout: :func:`make_repo` copies what the stage graph needs
 (``vpo/``, ``flows/``, ``pipelines.yaml``, ``dvc.yaml``, the ``.dvc`` config and plot templates) into a
-temporary folder, optionally rewrites the storage section of ``pipelines.yaml`` (a DVC-untracked
+temporary folder, optionally rewrites the storage section of ``pipelines.yaml`` (no DVC stage reads it)
 setting, so it never invalidates a stage), and commits it to a fresh git repository so registry
 entries carry a real git revision.
 """
@@ -25,8 +25,9 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 DVC = str(BIN / "dvc")
-_COPY_FILES = ("pipelines.yaml", "dvc.yaml", ".dvcignore", ".gitignore", ".dvc/config", ".dvc/.gitignore")
-_COPY_DIRS = ("vpo", "flows", ".dvc/plots")
+_COPY_FILES = ("pipelines.yaml", "params.yaml", "dvc.yaml", ".dvcignore", ".gitignore", ".dvc/config",
+               ".dvc/.gitignore")
+_COPY_DIRS = ("vpo", "flows", "bin", ".dvc/plots")
 _IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
 
 
@@ -69,7 +70,8 @@ def run(
 
 def make_repo(dest: Path, *, storage: Mapping[str, Any] | None = None) -> Path:
     """Copy the pipeline files into ``dest`` (a new git + DVC repo, one commit); ``storage`` overrides
-    ``pipelines.route.storage`` keys (e.g. an ``s3://`` DVC remote and registry)."""
+    ``pipelines.route.storage`` keys (e.g. an ``s3://`` DVC remote and registry), and ``dvc.yaml`` and
+    ``params.yaml`` are regenerated from the edited file."""
     dest.mkdir(parents=True, exist_ok=True)
     for rel in _COPY_DIRS:
         shutil.copytree(REPO / rel, dest / rel, ignore=_IGNORE, dirs_exist_ok=True)
@@ -81,6 +83,7 @@ def make_repo(dest: Path, *, storage: Mapping[str, Any] | None = None) -> Path:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
         raw["pipelines"]["route"].setdefault("storage", {}).update(storage)
         path.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
+        run([sys.executable, "-m", "vpo.pipeline.cli", "dvc"], dest)  # params.yaml follows pipelines.yaml
     git = ["git", "-c", "user.name=vpo-tests", "-c", "user.email=tests@vpo.invalid"]
     run(["git", "init", "-q", "-b", "main"], dest)
     run([*git, "add", "-A"], dest)
@@ -116,13 +119,14 @@ def run_quick_flow(workdir: Path, s3_server: Any) -> FlowResult:
     and registry in a new bucket, and the ``VPO_FAULT_ONCE=train@vpo-s0`` hook armed (that task fails
     its first attempt). Needs an active Prefect API (the ``prefect_api`` fixture)."""
     from flows import retrain as rt
+    from flows.tasks import FAULT_ENV
 
     bucket = s3_server.make_bucket()
     repo = make_repo(
         workdir / "repo", storage={"dvc_remote": f"s3://{bucket}/dvc", "registry": f"s3://{bucket}/registry"}
     )
-    previous = os.environ.get(rt.FAULT_ENV)
-    os.environ[rt.FAULT_ENV] = "train@vpo-s0"
+    previous = os.environ.get(FAULT_ENV)
+    os.environ[FAULT_ENV] = "train@vpo-s0"
     try:
         state = rt.retrain(
             pipeline="route",
@@ -133,7 +137,7 @@ def run_quick_flow(workdir: Path, s3_server: Any) -> FlowResult:
         )
     finally:
         if previous is None:
-            os.environ.pop(rt.FAULT_ENV, None)
+            os.environ.pop(FAULT_ENV, None)
         else:
-            os.environ[rt.FAULT_ENV] = previous
+            os.environ[FAULT_ENV] = previous
     return FlowResult(repo=repo, bucket=bucket, state=state)

@@ -230,7 +230,7 @@ def test_code_pipeline_entries_build_the_task(name: str) -> None:
         pytest.skip("no code pipeline in pipelines.yaml")
     import yaml
 
-    from vpo.config import load_pipeline
+    from vpo.pipeline.config import load_pipeline
 
     entry = yaml.safe_load(PIPELINES.read_text())["pipelines"][name]
     for quick in (False, True) if entry.get("quick") is not None else (False,):

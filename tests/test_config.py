@@ -12,7 +12,14 @@ from typing import Any
 import pytest
 import yaml
 
-from vpo.config import ConfigError, PipelineConfig, deep_merge, load_all, load_pipeline, pipeline_names
+from vpo.pipeline.config import (
+    ConfigError,
+    PipelineConfig,
+    deep_merge,
+    load_all,
+    load_pipeline,
+    pipeline_names,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 PIPELINES = REPO / "pipelines.yaml"
@@ -23,7 +30,7 @@ def minimal(**sections: Any) -> dict[str, Any]:
     body: dict[str, Any] = {
         "task": {"name": "route"},
         "model": {"builder": "tiny"},
-        "arms": [{"name": "grpo", "estimator": "grpo"}, {"name": "vpo", "estimator": "vpo", "m": 3}],
+        "arms": [{"name": "grpo", "estimator": "grpo"}, {"name": "vpo", "estimator": "vpo", "num_answers": 3}],
         "evaluation": {"k": [1, 2], "n_samples": 4},
     }
     body.update(sections)
@@ -59,21 +66,21 @@ def test_route_is_the_embedded_default_with_the_three_arms() -> None:
     assert cfg.model.builder == "tiny" and cfg.model.path_or_id is None
     arms = {a.name: a for a in cfg.arms}
     assert [a.name for a in cfg.enabled_arms] == ["grpo", "vpo", "grpo_x3"]
-    assert (arms["grpo"].estimator, arms["grpo"].m) == ("grpo", 1)
-    assert (arms["vpo"].estimator, arms["vpo"].m) == ("vpo", 3)
+    assert (arms["grpo"].estimator, arms["grpo"].num_answers) == ("grpo", 1)
+    assert (arms["vpo"].estimator, arms["vpo"].num_answers) == ("vpo", 3)
     # compute-matched arm: single answer, as many generated answers per prompt as VPO's m=3
-    assert arms["grpo_x3"].m == 1
-    assert arms["grpo_x3"].rollouts_per_prompt == arms["vpo"].num_generations * arms["vpo"].m
+    assert arms["grpo_x3"].num_answers == 1
+    assert arms["grpo_x3"].rollouts_per_prompt == arms["vpo"].num_generations * arms["vpo"].num_answers
     assert arms["multi_rlvr"].enabled is False
     assert cfg.evaluation.k == [1, 3, 5, 10, 30]
-    assert cfg.trainer.num_weights == 100 and cfg.trainer.alpha == 1.0
+    assert cfg.trainer.num_weights == 100 and cfg.trainer.weight_alpha == 1.0
 
 
 def test_gpu_example_uses_a_hub_model_and_vllm() -> None:
     cfg = load_pipeline("code-qwen-coder", PIPELINES)
     assert cfg.task.name == "code"
     assert cfg.model.path_or_id == "Qwen/Qwen2.5-Coder-7B-Instruct" and not cfg.model.is_local_path
-    assert cfg.trainer.generation_backend == "vllm"
+    assert cfg.trainer.use_vllm is True
     assert cfg.resolve_path(cfg.trainer.accelerate_config).is_file()
     assert cfg.storage.registry.startswith("s3://")
 
@@ -87,14 +94,17 @@ def test_route_task_params_build_the_registered_task() -> None:
         cfg = load_pipeline("route", PIPELINES, quick=quick)
         task = get_task(cfg.task.name, **cfg.task.params)
         assert task.name == "route"
-    assert cfg.task.params["n_train"] == 64 and cfg.task.params["size"] == 6  # quick merged into params
+    assert cfg.task.params["n_train"] == 64 and cfg.task.params["size"] == 5  # quick merged into params
 
 
-def test_loading_imports_no_task_torch_prefect_dvc_or_gx() -> None:
+def test_loading_imports_no_prefect_dvc_gx_or_transformers() -> None:
+    """Loading checks task parameters against the task's signature and estimator names against the
+    estimator registry (so it imports vpo.tasks and torch), but nothing of the orchestration or
+    model stack."""
     code = (
-        "import sys, vpo.config as c; c.load_all(sys.argv[1]); c.load_pipeline('route', sys.argv[1], quick=True);"
-        "heavy=('vpo.tasks','torch','prefect','dvc','great_expectations','transformers','trl');"
-        "print([m for m in sys.modules if m.split('.')[0] in heavy or m.startswith('vpo.tasks')])"
+        "import sys, vpo.pipeline.config as c; c.load_all(sys.argv[1]); c.load_pipeline('route', sys.argv[1], quick=True);"
+        "heavy=('prefect','dvc','great_expectations','transformers','trl','datasets');"
+        "print([m for m in sys.modules if m.split('.')[0] in heavy])"
     )
     out = subprocess.run(
         [sys.executable, "-c", code, str(PIPELINES)], capture_output=True, text=True, check=True
@@ -116,22 +126,22 @@ def test_quick_overrides_deep_merge_and_merge_arms_by_name() -> None:
     base = load_pipeline("route", PIPELINES)
     quick = load_pipeline("route", PIPELINES, quick=True)
     raw = yaml.safe_load(PIPELINES.read_text())["pipelines"]["route"]["quick"]
-    assert quick.trainer.steps == raw["trainer"]["steps"] < base.trainer.steps
-    assert quick.trainer.lr == base.trainer.lr  # untouched keys keep the base value
-    assert quick.arm("vpo").seeds == [0] and quick.arm("vpo").m == base.arm("vpo").m
+    assert quick.trainer.max_steps == raw["trainer"]["max_steps"] < base.trainer.max_steps
+    assert quick.trainer.learning_rate == base.trainer.learning_rate  # untouched keys keep the base value
+    assert quick.arm("vpo").seeds == [0] and quick.arm("vpo").num_answers == base.arm("vpo").num_answers
     assert quick.arm("multi_rlvr") == base.arm("multi_rlvr")  # not mentioned: unchanged
     assert quick.evaluation.n_samples >= max(quick.evaluation.k)
 
 
 def test_dotted_overrides_apply_last_and_are_validated(tmp_path: Path) -> None:
-    path = write(tmp_path, {"p": minimal(quick={"trainer": {"steps": 3}})})
-    cfg = load_pipeline("p", path, quick=True, overrides={"trainer.lr": 0.1, "arms.vpo.m": 5})
-    assert (cfg.trainer.steps, cfg.trainer.lr, cfg.arm("vpo").m, cfg.quick) == (3, 0.1, 5, True)
+    path = write(tmp_path, {"p": minimal(quick={"trainer": {"max_steps": 3}})})
+    cfg = load_pipeline("p", path, quick=True, overrides={"trainer.learning_rate": 0.1, "arms.vpo.num_answers": 5})
+    assert (cfg.trainer.max_steps, cfg.trainer.learning_rate, cfg.arm("vpo").num_answers, cfg.quick) == (3, 0.1, 5, True)
     with pytest.raises(ConfigError) as err:
-        load_pipeline("p", path, overrides={"trainer.steps": "lots"})
-    assert "pipelines.p.trainer.steps" in problems(err.value)
+        load_pipeline("p", path, overrides={"trainer.max_steps": "lots"})
+    assert "pipelines.p.trainer.max_steps" in problems(err.value)
     with pytest.raises(ConfigError, match="no item named 'nope'"):
-        load_pipeline("p", path, overrides={"arms.nope.m": 2})
+        load_pipeline("p", path, overrides={"arms.nope.num_answers": 2})
 
 
 def test_deep_merge_does_not_mutate_inputs() -> None:
@@ -148,15 +158,15 @@ def test_quick_without_section_is_an_error(tmp_path: Path) -> None:
 
 
 def test_a_broken_quick_section_fails_even_when_not_requested(tmp_path: Path) -> None:
-    path = write(tmp_path, {"p": minimal(quick={"trainer": {"steps": 0}})})
+    path = write(tmp_path, {"p": minimal(quick={"trainer": {"max_steps": 0}})})
     with pytest.raises(ConfigError) as err:
         load_pipeline("p", path)
-    assert "quick" in str(err.value) and "pipelines.p.trainer.steps" in problems(err.value)
-    assert "greater than 0" in problems(err.value)["pipelines.p.trainer.steps"]
+    assert "quick" in str(err.value) and "pipelines.p.trainer.max_steps" in problems(err.value)
+    assert "greater than 0" in problems(err.value)["pipelines.p.trainer.max_steps"]
 
 
 def test_quick_arm_that_does_not_exist(tmp_path: Path) -> None:
-    path = write(tmp_path, {"p": minimal(quick={"arms": {"ghost": {"m": 2}}})})
+    path = write(tmp_path, {"p": minimal(quick={"arms": {"ghost": {"num_answers": 2}}})})
     with pytest.raises(ConfigError, match=r"pipelines\.p\.quick\.arms\.ghost: no item named 'ghost'"):
         load_pipeline("p", path)
 
@@ -165,7 +175,7 @@ def test_quick_arm_that_does_not_exist(tmp_path: Path) -> None:
 
 
 def test_unknown_key_names_file_pipeline_key_line_and_allowed_keys(tmp_path: Path) -> None:
-    body = minimal(trainer={"steps": 10, "stpes": 5})
+    body = minimal(trainer={"max_steps": 10, "stpes": 5})
     path = write(tmp_path, {"p": body})
     with pytest.raises(ConfigError) as err:
         load_pipeline("p", path)
@@ -176,28 +186,28 @@ def test_unknown_key_names_file_pipeline_key_line_and_allowed_keys(tmp_path: Pat
     assert key.startswith("pipelines.p.trainer.stpes (line ")
     line = int(key.split("line ")[1].rstrip(")"))
     assert "stpes" in path.read_text().splitlines()[line - 1]
-    assert text.startswith("unknown key") and "steps" in text and "prompts_per_step" in text
+    assert text.startswith("unknown key") and "max_steps" in text and "prompts_per_step" in text
     assert exc.file == str(path.resolve()) and exc.pipeline == "p"
 
 
 def test_wrong_types_are_named_with_expectation(tmp_path: Path) -> None:
     body = minimal(
-        trainer={"lr": "fast", "sampler": "grid"},
-        arms=[{"name": "grpo", "estimator": "ppo", "m": "three"}],
+        trainer={"learning_rate": "fast", "weight_sampler": "grid"},
+        arms=[{"name": "grpo", "estimator": "ppo", "num_answers": "three"}],
     )
     with pytest.raises(ConfigError) as err:
         load_pipeline("p", write(tmp_path, {"p": body}))
     found = problems(err.value)
     assert (
-        "valid number" in found["pipelines.p.trainer.lr"]
-        and "'fast' (str)" in found["pipelines.p.trainer.lr"]
+        "valid number" in found["pipelines.p.trainer.learning_rate"]
+        and "'fast' (str)" in found["pipelines.p.trainer.learning_rate"]
     )
-    assert "'dirichlet' or 'sobol'" in found["pipelines.p.trainer.sampler"]
+    assert "'dirichlet' or 'sobol'" in found["pipelines.p.trainer.weight_sampler"]
     assert (
         "'vpo'" in found["pipelines.p.arms[0].estimator"]
         and "'ppo'" in found["pipelines.p.arms[0].estimator"]
     )
-    assert "valid integer" in found["pipelines.p.arms[0].m"]
+    assert "valid integer" in found["pipelines.p.arms[0].num_answers"]
     assert len(err.value.problems) == 4  # every problem at once, one exception
 
 
@@ -263,14 +273,14 @@ def test_semantic_cross_field_checks(tmp_path: Path) -> None:
     body = minimal(
         evaluation={"k": [1, 5, 10], "n_samples": 5},
         arms=[{"name": "a", "estimator": "grpo"}, {"name": "a", "estimator": "vpo", "seeds": [1, 1]}],
-        trainer={"generation_backend": "vllm", "vllm_mode": "server"},
+        trainer={"use_vllm": True, "vllm_mode": "server"},
     )
     with pytest.raises(ConfigError) as err:
         load_pipeline("p", write(tmp_path, {"p": body}))
     found = problems(err.value)
     assert "largest k (10)" in found["pipelines.p.evaluation"]
     assert "seeds must be unique" in found["pipelines.p.arms[1].seeds"]
-    assert "vllm_server_url" in found["pipelines.p.trainer"]
+    assert "vllm_server_base_url" in found["pipelines.p.trainer"]
 
 
 def test_duplicate_arm_names_and_all_disabled(tmp_path: Path) -> None:
@@ -282,13 +292,16 @@ def test_duplicate_arm_names_and_all_disabled(tmp_path: Path) -> None:
         load_pipeline("p", write(tmp_path, {"p": off}))
 
 
-def test_dataset_source_must_exist_locally(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"dataset source 'data/rows.parquet' does not exist"):
-        load_pipeline("p", write(tmp_path, {"p": minimal(dataset={"source": "data/rows.parquet"})}))
-    cfg = load_pipeline(
-        "p", write(tmp_path, {"p": minimal(dataset={"source": "s3://bucket-a/rows.parquet"})})
-    )
-    assert cfg.dataset.source == "s3://bucket-a/rows.parquet"
+def test_renamed_and_moved_keys_say_where_they_went(tmp_path: Path) -> None:
+    body = minimal(trainer={"steps": 3, "lr": 0.1}, dataset={"source": "data/rows.parquet"},
+                   arms=[{"name": "vpo", "estimator": "vpo", "m": 3}])
+    with pytest.raises(ConfigError) as err:
+        load_pipeline("p", write(tmp_path, {"p": body}))
+    found = problems(err.value)
+    assert found["pipelines.p.trainer.steps"] == "unknown key: now max_steps"
+    assert found["pipelines.p.trainer.lr"] == "unknown key: now learning_rate"
+    assert found["pipelines.p.arms[0].m"] == "unknown key: now num_answers"
+    assert found["pipelines.p.dataset.source"].startswith("unknown key: now task.params.source")
 
 
 def test_missing_file_unknown_pipeline_bad_yaml_and_bad_top_level(tmp_path: Path) -> None:
@@ -324,3 +337,112 @@ def test_load_all_reports_problems_of_every_pipeline_together(tmp_path: Path) ->
     keys = {k.split(" (line")[0] for k, _ in err.value.problems}
     assert keys == {"pipelines.a.sft.steps", "pipelines.b.trainer.beta"}
     assert load_pipeline("c", path).name == "c"  # a single good pipeline still loads
+
+
+# --------------------------------------------------------------------------- strictness
+
+
+def test_duplicate_keys_are_errors_with_both_lines(tmp_path: Path) -> None:
+    path = tmp_path / "pipelines.yaml"
+    path.write_text("version: 1\npipelines:\n  p:\n    task: {name: route}\n    model: {builder: tiny}\n"
+                    "    arms: [{name: g, estimator: grpo}]\n    trainer:\n      max_steps: 3\n"
+                    "      max_steps: 30\n")
+    with pytest.raises(ConfigError) as err:
+        load_pipeline("p", path)
+    (key, msg), = err.value.problems
+    assert key == "pipelines.p.trainer.max_steps (line 9)"
+    assert "duplicate key: already set on line 8" in msg
+
+
+@pytest.mark.parametrize(("section", "value", "expected"), [
+    ({"trainer": {"max_steps": True}}, "pipelines.p.trainer.max_steps", "valid integer, got True (bool)"),
+    ({"trainer": {"learning_rate": float("inf")}}, "pipelines.p.trainer.learning_rate", "finite number"),
+    ({"trainer": {"max_steps": "10"}}, "pipelines.p.trainer.max_steps", "valid integer, got '10' (str)"),
+    ({"storage": {"runs_dir": ""}}, "pipelines.p.storage.runs_dir", "at least 1 character"),
+    ({"storage": {"runs_dir": "."}}, "pipelines.p.storage.runs_dir", "need a folder of their own"),
+    ({"search": {"params": {"n_problems": 3}}}, "pipelines.p.search.params", "now search.n_problems"),
+])
+def test_no_coercion_no_infinities_no_repo_root_runs(tmp_path: Path, section: dict[str, Any], value: str,
+                                                     expected: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_pipeline("p", write(tmp_path, {"p": minimal(**section)}))
+    assert expected in problems(err.value)[value]
+
+
+def test_task_params_are_checked_by_the_tasks_own_signature(tmp_path: Path) -> None:
+    body = minimal(task={"name": "route", "params": {"n_wals": [1, 2], "size": True, "hidden_sides": 3}})
+    path = write(tmp_path, {"p": body})
+    with pytest.raises(ConfigError) as err:
+        load_pipeline("p", path)
+    found = problems(err.value)
+    assert found["pipelines.p.task.params.n_wals"].startswith("unknown parameter of task 'route'; parameters: size")
+    assert found["pipelines.p.task.params.size"] == "expected a valid integer, got True (bool)"
+    assert "valid string" in found["pipelines.p.task.params.hidden_sides"]
+    lines = {key.split(" (line")[0]: key for key, _ in err.value.problems}
+    assert lines["pipelines.p.task.params.n_wals"].endswith(")")  # every problem carries its line
+    with pytest.raises(ConfigError, match=r"unknown task 'maze'; tasks: code, .*route"):
+        load_pipeline("p", write(tmp_path, {"p": minimal(task={"name": "maze"})}))
+
+
+def test_task_value_errors_found_when_the_task_is_built_name_the_parameter_line(tmp_path: Path) -> None:
+    from vpo.pipeline.context import build_task
+
+    body = minimal(task={"name": "code", "params": {"source": "missing/problems.jsonl"}})
+    cfg = load_pipeline("p", write(tmp_path, {"p": body}))  # types are fine: the file is checked on build
+    with pytest.raises(ConfigError) as err:
+        build_task(cfg)
+    (key, msg), = err.value.problems
+    assert key.startswith("pipelines.p.task.params.source (line ") and "does not exist" in msg
+
+
+def test_arms_may_be_a_mapping_by_name(tmp_path: Path) -> None:
+    body = minimal(arms={"grpo": {"estimator": "grpo"}, "vpo": {"estimator": "vpo", "num_answers": 3}})
+    cfg = load_pipeline("p", write(tmp_path, {"p": body}))
+    assert [a.name for a in cfg.arms] == ["grpo", "vpo"] and cfg.arm("vpo").num_answers == 3
+    assert list(cfg.settings()["arms"]) == ["grpo", "vpo"]
+
+
+def test_local_model_path_is_resolved_against_the_config_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                                 ) -> None:
+    model = tmp_path / "models" / "policy"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    cfg = load_pipeline("p", write(tmp_path, {"p": minimal(model={"path_or_id": "./models/policy"})}))
+    monkeypatch.chdir(tmp_path.parent)  # another working directory
+    assert cfg.model_source == str(model.resolve())
+    hub = load_pipeline("p", write(tmp_path, {"p": minimal(model={"path_or_id": "org/model"})}))
+    assert hub.model_source == "org/model"
+
+
+def test_cli_args_load_the_same_config(tmp_path: Path) -> None:
+    path = write(tmp_path, {"p": minimal(quick={"trainer": {"max_steps": 2}})})
+    cfg = load_pipeline("p", path, quick=True, overrides={"trainer.learning_rate": 0.01, "arms.vpo.seeds": [1, 2]})
+    from vpo.pipeline.cli import _load, _parser
+
+    again = _load(_parser().parse_args(["stage", "data", *cfg.cli_args()]))
+    assert again.settings() == cfg.settings() and again.quick and again.variant == "p-quick"
+
+
+# --------------------------------------------------------------------------- params.yaml (what DVC stages read)
+
+
+def test_params_yaml_variant_loads_as_the_pipeline_and_goes_stale_with_it(tmp_path: Path) -> None:
+    from vpo.pipeline.config import load_variant
+    from vpo.pipeline.dvcgen import params_yaml_text
+
+    path = write(tmp_path, {"p": minimal(quick={"trainer": {"max_steps": 2}})})
+    params = tmp_path / "params.yaml"
+    params.write_text(params_yaml_text(path, pipelines=("p",)))
+    cfg = load_variant("p-quick", params, config_path=path)
+    assert cfg.settings() == load_pipeline("p", path, quick=True).settings() and cfg.variant == "p-quick"
+    # an experiment edits params.yaml (dvc exp run -S): allowed, and what runs
+    data = yaml.safe_load(params.read_text())
+    data["p-quick"]["trainer"]["max_steps"] = 7
+    params.write_text(yaml.safe_dump(data))
+    assert load_variant("p-quick", params, config_path=path).trainer.max_steps == 7
+    # pipelines.yaml edited without regenerating: refused, not silently run with old settings
+    write(tmp_path, {"p": minimal(quick={"trainer": {"max_steps": 3}})})
+    with pytest.raises(ConfigError, match=r"generated from another version .* regenerate it"):
+        load_variant("p-quick", params, config_path=path)
+    with pytest.raises(ConfigError, match=r"no variant named .q. in this file; variants: p, p-quick"):
+        load_variant("q", params, config_path=path)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,14 +19,15 @@ import pytest
 import yaml
 
 try:
-    from flows_fixtures import DVC, REPO, FlowResult, run, tree_digest
+    from flows_fixtures import DVC, REPO, FlowResult, make_repo, run, tool_env, tree_digest
 except ModuleNotFoundError:  # tests/ imported as a package
-    from tests.flows_fixtures import DVC, REPO, FlowResult, run, tree_digest
+    from tests.flows_fixtures import DVC, REPO, FlowResult, make_repo, run, tool_env, tree_digest
 
-from flows.dvcgen import dvc_yaml_text, stage_names
-from vpo.config import load_pipeline
-from vpo.stages import arm_runs
-from vpo.storage import configure_dvc_remote, scan_for_secrets
+from vpo.pipeline.config import load_pipeline
+from vpo.pipeline.dvcgen import dvc_yaml_text, params_yaml_text
+from vpo.pipeline.graph import plan
+from vpo.pipeline.layout import arm_runs
+from vpo.pipeline.storage import configure_dvc_remote, scan_for_secrets
 
 QUICK = "route-quick"
 
@@ -37,17 +39,29 @@ def _declared_stages(dvc_yaml: dict[str, Any]) -> set[str]:
     return names
 
 
+def _stage_names(cfg: Any) -> list[str]:
+    return [step.dvc_name(cfg.variant) for step in plan(cfg) if step.stage.in_dvc]
+
+
 def _quick_stage_names() -> list[str]:
-    return [dvc for _, dvc, _ in stage_names(load_pipeline("route", REPO / "pipelines.yaml", quick=True))]
+    return _stage_names(load_pipeline("route", REPO / "pipelines.yaml", quick=True))
+
+
+def _upto_evaluate() -> set[str]:
+    """The quick stages `dvc repro route-quick-evaluate` covers (search comes after evaluate)."""
+    return set(_quick_stage_names()) - {f"{QUICK}-search"}
 
 
 # --------------------------------------------------------------------------- fast: the file itself
 
 
-def test_dvc_yaml_is_up_to_date_with_pipelines_yaml() -> None:
-    """The committed dvc.yaml is exactly what flows.dvcgen derives from pipelines.yaml."""
+def test_dvc_yaml_and_params_yaml_are_up_to_date_with_pipelines_yaml() -> None:
+    """The committed dvc.yaml and params.yaml are exactly what `vpo dvc` derives from pipelines.yaml."""
     assert (REPO / "dvc.yaml").read_text(encoding="utf-8") == dvc_yaml_text(REPO / "pipelines.yaml"), (
-        "dvc.yaml is stale: run `python -m flows.dvcgen`"
+        "dvc.yaml is stale: run `vpo dvc`"
+    )
+    assert (REPO / "params.yaml").read_text(encoding="utf-8") == params_yaml_text(REPO / "pipelines.yaml"), (
+        "params.yaml is stale: run `vpo dvc`"
     )
 
 
@@ -58,24 +72,26 @@ def test_dvc_yaml_covers_every_arm_seed_and_real_params(quick: bool) -> None:
     dvc_yaml = yaml.safe_load((REPO / "dvc.yaml").read_text(encoding="utf-8"))
     prefix = "route-quick" if quick else "route"
     train = dvc_yaml["stages"][f"{prefix}-train"]
-    assert sorted(train["foreach"]) == sorted(rid for _, _, rid in arm_runs(cfg))
+    assert sorted(train["foreach"]) == sorted(r.rid for r in arm_runs(cfg))
     assert all(
         cfg.arm(item["arm"]).enabled and item["seed"] in cfg.arm(item["arm"]).seeds
         for item in train["foreach"].values()
     )
-    assert {dvc for _, dvc, _ in stage_names(cfg)} <= _declared_stages(dvc_yaml)
-    params = yaml.safe_load((REPO / "pipelines.yaml").read_text(encoding="utf-8"))
+    assert set(_stage_names(cfg)) <= _declared_stages(dvc_yaml)
+    params = yaml.safe_load((REPO / "params.yaml").read_text(encoding="utf-8"))
     for name, body in dvc_yaml["stages"].items():
         if not name.startswith(f"{prefix}-") or (not quick and name.startswith("route-quick-")):
             continue
         stage = body.get("do", body)
-        for key in stage["params"][0]["pipelines.yaml"]:
-            node: Any = params
-            for part in key.split("."):
-                assert isinstance(node, dict) and part in node, (
-                    f"{name}: params key {key} not in pipelines.yaml"
-                )
-                node = node[part]
+        items = list(body["foreach"].values()) if "foreach" in body else [{}]
+        for key in stage["params"][0]["params.yaml"]:
+            for item in items:
+                node: Any = params
+                for part in key.replace("${item.arm}", str(item.get("arm"))).split("."):
+                    assert isinstance(node, dict) and part in node, (
+                        f"{name}: params key {key} not in params.yaml"
+                    )
+                    node = node[part]
         for dep in stage["deps"]:
             if dep.startswith("vpo/"):
                 assert (REPO / dep).is_file(), f"{name}: dep {dep} does not exist"
@@ -136,7 +152,7 @@ def _ran_and_skipped(output: str) -> tuple[set[str], set[str]]:
 @pytest.mark.integration
 def test_plain_repro_after_the_flow_reruns_nothing(repro_repo: Path) -> None:
     """The flow's stage-by-stage results satisfy plain `dvc repro`: every quick stage is skipped."""
-    expected = set(_quick_stage_names())
+    expected = _upto_evaluate()
     ran, skipped = _ran_and_skipped(run([DVC, "repro", f"{QUICK}-evaluate"], repro_repo).stdout)
     assert ran == set() and skipped == expected
     status = run([DVC, "status", f"{QUICK}-evaluate", "--with-deps"], repro_repo)
@@ -148,14 +164,14 @@ def test_plain_repro_after_the_flow_reruns_nothing(repro_repo: Path) -> None:
 def test_repro_reruns_exactly_the_changed_stage_then_nothing(repro_repo: Path) -> None:
     """Changing an evaluation-only param re-runs `evaluate` alone; the next repro runs nothing;
     metrics and the per-arm best@k plot are readable through DVC."""
-    path = repro_repo / "pipelines.yaml"
+    path = repro_repo / "params.yaml"  # what the DVC stages read (an experiment's edit)
     raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    raw["pipelines"]["route"]["quick"]["evaluation"]["n_samples"] = 6
+    raw[QUICK]["evaluation"]["n_samples"] = 6
     path.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
     ran, skipped = _ran_and_skipped(run([DVC, "repro", f"{QUICK}-evaluate"], repro_repo, timeout=900).stdout)
-    assert ran == {f"{QUICK}-evaluate"} and skipped == set(_quick_stage_names()) - ran
+    assert ran == {f"{QUICK}-evaluate"} and skipped == _upto_evaluate() - ran
     ran, skipped = _ran_and_skipped(run([DVC, "repro", f"{QUICK}-evaluate"], repro_repo).stdout)
-    assert ran == set() and skipped == set(_quick_stage_names())
+    assert ran == set() and skipped == _upto_evaluate()
     metrics_path = f"runs/{QUICK}/eval/metrics.json"
     shown = json.loads(run([DVC, "metrics", "show", "--json", metrics_path], repro_repo).stdout)
     data = next(iter(shown.values()))["data"][metrics_path]["data"]
@@ -209,3 +225,67 @@ def test_push_then_pull_into_empty_cache_s3_remote(repro_repo: Path, s3_bucket: 
     assert (
         scan_for_secrets([repo / ".dvc", repo / "dvc.yaml", repo / "dvc.lock", repo / "pipelines.yaml"]) == []
     )
+
+
+# --------------------------------------------------------------------------- vpo run, then plain dvc
+
+
+@pytest.fixture(scope="module")
+def main_job_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A repository copy in which `vpo run --quick` (no DVC) ran, with a `.venv` beside it as a fresh
+    clone after `make quick` has."""
+    repo = make_repo(tmp_path_factory.mktemp("mainjob") / "repo")
+    (repo / ".venv").symlink_to(Path(sys.executable).parents[1], target_is_directory=True)
+    run([sys.executable, "-m", "vpo.pipeline.cli", "run", "--quick", "--no-search"], repo, timeout=900,
+        env=tool_env(OMP_NUM_THREADS="1"))
+    return repo
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_dvc_repro_after_vpo_run_without_a_virtualenv_on_path(main_job_repo: Path) -> None:
+    """`env -i PATH=/usr/bin:/bin .venv/bin/dvc repro`: the stage commands find the project's Python
+    themselves; every stage reports up to date (nothing retrains, nothing is deleted), DVC records
+    the outputs, and a second repro runs nothing."""
+    repo = main_job_repo
+    outputs = repo / "runs" / QUICK
+    before = tree_digest(outputs)
+    env = {"HOME": str(Path.home()), "PATH": "/usr/bin:/bin", "DVC_NO_ANALYTICS": "1", "OMP_NUM_THREADS": "1"}
+    proc = run([str(repo / ".venv" / "bin" / "dvc"), "repro", f"{QUICK}-evaluate"], repo, env=env, timeout=900)
+    assert "vpo: command not found" not in proc.stdout + proc.stderr
+    for label in ("data", "rewards", "base", "train@grpo-s0", "train@vpo-s0", "train@grpo_x3-s0", "evaluate"):
+        assert f"[vpo] {label}: up to date" in proc.stdout, proc.stdout[-3000:]
+    after = tree_digest(outputs)
+    assert {k: v for k, v in after.items() if k in before} == before  # nothing rebuilt or deleted
+    ran, skipped = _ran_and_skipped(run([str(repo / ".venv" / "bin" / "dvc"), "repro", f"{QUICK}-evaluate"], repo,
+                                        env=env).stdout)
+    assert ran == set() and f"{QUICK}-evaluate" in skipped
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_dvc_repro_during_a_running_vpo_run_loses_nothing(main_job_repo: Path, tmp_path: Path) -> None:
+    """`dvc repro` started while `vpo run` holds the run lock: the stage refuses at the lock (persisted
+    outputs: DVC deleted nothing first), and the running job finishes with its outputs intact."""
+    import subprocess
+    import time
+
+    repo = tmp_path / "repo"
+    shutil.copytree(main_job_repo, repo, symlinks=True)
+    data_before = tree_digest(repo / "runs" / QUICK / "data")
+    job = subprocess.Popen([sys.executable, "-m", "vpo.pipeline.cli", "run", "--quick", "--no-search", "--set",
+                            "trainer.max_steps=5"], cwd=repo, env=tool_env(OMP_NUM_THREADS="1"),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lock = repo / "runs" / QUICK / ".lock"
+    deadline = time.monotonic() + 120
+    while not (lock.is_file() and lock.read_text().strip()):
+        assert job.poll() is None and time.monotonic() < deadline, "the run never took its lock"
+        time.sleep(0.2)
+    proc = run([DVC, "repro", "--single-item", f"{QUICK}-data", "--force"], repo, check=False)
+    assert proc.returncode != 0 and "is already running" in proc.stdout + proc.stderr, proc.stdout[-2000:]
+    assert tree_digest(repo / "runs" / QUICK / "data") == data_before
+    out, _ = job.communicate(timeout=900)
+    assert job.returncode == 0, out[-3000:]
+    assert "train@vpo-s0: trainer.max_steps changed 4 -> 5; retraining" in out
+    assert tree_digest(repo / "runs" / QUICK / "data") == data_before
+    assert json.loads((repo / "runs" / QUICK / "arms" / "vpo-s0" / "metrics.json").read_text())["max_steps"] == 5

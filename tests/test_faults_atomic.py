@@ -39,7 +39,7 @@ from tests.test_faults_support import (
 
 # files whose bytes legitimately differ between two identical runs (timings, timestamps, pickled args)
 NONDETERMINISTIC = {
-    "base.json",
+    "summary.json",
     "sft_metrics.json",
     "metrics.json",
     "history.json",
@@ -105,7 +105,7 @@ def _install(monkeypatch: pytest.MonkeyPatch, inj: Injector) -> None:
     import pandas as pd
     import transformers
 
-    import vpo.storage
+    import vpo.pipeline.storage
 
     def renaming(kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(src: Any, dst: Any, *a: Any, **kw: Any) -> Any:
@@ -125,7 +125,7 @@ def _install(monkeypatch: pytest.MonkeyPatch, inj: Injector) -> None:
     monkeypatch.setattr(os, "replace", renaming("os.replace", os.replace))
     monkeypatch.setattr(os, "rename", renaming("os.rename", os.rename))
     monkeypatch.setattr(os, "link", renaming("os.link", os.link))
-    monkeypatch.setattr(vpo.storage, "_exchange", renaming("exchange", vpo.storage._exchange))
+    monkeypatch.setattr(vpo.pipeline.storage, "_exchange", renaming("exchange", vpo.pipeline.storage._exchange))
 
     def first(obj: Any, path: Any, *a: Any, **kw: Any) -> Any:
         return path
@@ -229,30 +229,35 @@ def _perturb_arm(folder: Path) -> None:
     save_file(tensors, str(weights), metadata={"format": "pt"})
 
 
-def _setup_rewards(folder: Path) -> None:
-    from vpo.stages import stage_data
+def run_stage(name: str, cfg: Any) -> dict[str, Any]:
+    """The stage's own function (no skipping, no record), as the runner calls it."""
+    from vpo.pipeline.context import StageContext
+    from vpo.pipeline.graph import stage
+    from vpo.pipeline.layout import ArmRun, RunLayout
 
-    stage_data(load_cfg(folder / "pipelines.yaml", **{"task.params.seed": 1}))
+    run = ArmRun(cfg.arm("vpo"), 0) if name == "train" else None
+    return stage(name).run(StageContext(cfg, RunLayout.of(cfg), name, run, progress=False))
+
+
+def _setup_rewards(folder: Path) -> None:
+    run_stage("data", load_cfg(folder / "pipelines.yaml", **{"task.params.seed": 1}))
 
 
 def _setup_evaluate(folder: Path) -> None:
     import vpo.generation
-    from vpo.stages import stage_evaluate
 
     _arms(folder)
     original = vpo.generation.sample
     vpo.generation.sample = _fake_sample(0)
     try:
-        stage_evaluate(load_cfg(folder / "pipelines.yaml", **ONE_ARM))
+        run_stage("evaluate", load_cfg(folder / "pipelines.yaml", **ONE_ARM))
     finally:
         vpo.generation.sample = original
 
 
 def _setup_register(folder: Path) -> None:
-    from vpo.stages import stage_register
-
     _arms(folder)
-    stage_register(load_cfg(folder / "pipelines.yaml", **ONE_ARM))
+    run_stage("register", load_cfg(folder / "pipelines.yaml", **ONE_ARM))
     _perturb_arm(folder)
 
 
@@ -278,13 +283,13 @@ CASES = {
     ),
     "base": Case(
         "base",
-        lambda f: [f"runs/{RUN_NAME}/base", f"runs/{RUN_NAME}/base.json"],
+        lambda f: [f"runs/{RUN_NAME}/base"],
         overrides={"seed": 1, "sft.steps": 2, "sft.batch_size": 4},
     ),
     "train": Case(
         "train",
         lambda f: [f"runs/{RUN_NAME}/arms/vpo-s0/{u}" for u in ("model", "metrics.json", "history.json")],
-        overrides={**ONE_ARM, "trainer.steps": 1, "trainer.save_steps": 1},
+        overrides={**ONE_ARM, "trainer.max_steps": 1, "trainer.save_steps": 1},
         skip=("trainer", "live", "progress.json", "progress.tmp"),
     ),
     "evaluate": Case(
@@ -299,11 +304,11 @@ def fake_sampling(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The new evaluation samples differ from the old ones (variant 1 vs 0); the great_expectations
     checks (seconds each, all before the first write) are computed once per distinct input."""
     import vpo.generation
-    import vpo.validation
+    import vpo.pipeline.validation
 
     monkeypatch.setattr(vpo.generation, "sample", _fake_sample(1))
     for name in ("validate_dataset", "validate_reward_vectors"):
-        monkeypatch.setattr(vpo.validation, name, _memoised(getattr(vpo.validation, name)))
+        monkeypatch.setattr(vpo.pipeline.validation, name, _memoised(getattr(vpo.pipeline.validation, name)))
     yield
 
 
@@ -327,7 +332,7 @@ def _memoised(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def _check_registry(folder: Path) -> None:
     """Every entry (old or new) still points at complete objects with the recorded hash."""
-    from vpo.registry import hash_checkpoint, list_entries, verify_entry
+    from vpo.pipeline.registry import hash_checkpoint, list_entries, verify_entry
 
     reg = folder / "registry"
     if not reg.exists():
@@ -346,8 +351,6 @@ def test_crash_at_every_write_leaves_old_or_new(
     fake_sampling: None,
 ) -> None:
     """Crash the stage at each of its write events in turn; every output unit stays old or new."""
-    from vpo.stages import STAGES
-
     case = CASES[name]
     old = tmp_path / "old"
     copy_prepared(prepared_run(tmp_path_factory.getbasetemp()), old)
@@ -360,10 +363,10 @@ def test_crash_at_every_write_leaves_old_or_new(
         with monkeypatch.context() as mp, torch_threads(1):
             _install(mp, inj)
             if crash_at is None:
-                STAGES[case.stage](cfg)
+                run_stage(case.stage, cfg)
             else:
                 with pytest.raises(Crash):
-                    STAGES[case.stage](cfg)
+                    run_stage(case.stage, cfg)
         return inj
 
     clean = tmp_path / "clean"

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 from tests.test_faults_support import RUN_NAME, run_vpo, write_pipelines
-from vpo.locking import LockBusyError, arm_lock_path, pipeline_lock, read_holder
+from vpo.pipeline.locking import LockBusyError, arm_lock_path, pipeline_lock, read_holder
 
 HOLDER = """
 import os, sys, time
-from vpo.locking import pipeline_lock
+from vpo.pipeline.locking import pipeline_lock
 run_dir, arm, fork = sys.argv[1], sys.argv[2] or None, sys.argv[3] == "1"
 with pipeline_lock(run_dir, "route-quick", arm=arm, command="holder-under-test"):
     if fork:
@@ -150,7 +150,7 @@ def test_nested_acquisition_in_one_process_is_counted(tmp_path: Path) -> None:
                 sys.executable,
                 "-c",
                 (
-                    "import sys; from vpo.locking import pipeline_lock\n"
+                    "import sys; from vpo.pipeline.locking import pipeline_lock\n"
                     "with pipeline_lock(sys.argv[1], 'x'): pass"
                 ),
                 str(tmp_path),

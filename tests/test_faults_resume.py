@@ -27,7 +27,7 @@ TOLERANCE = 0.0  # measured: resumed and uninterrupted runs are bitwise identica
 TIMING_KEYS = ("runtime", "per_second", "step_time", "train_seconds", "total_flos")
 
 
-def _train_args() -> list[str]:
+def _train_args(steps: int = STEPS, save_steps: int = SAVE_STEPS) -> list[str]:
     return [
         "stage",
         "train",
@@ -39,9 +39,9 @@ def _train_args() -> list[str]:
         "--seed",
         "0",
         "--set",
-        f"trainer.steps={STEPS}",
+        f"trainer.max_steps={steps}",
         "--set",
-        f"trainer.save_steps={SAVE_STEPS}",
+        f"trainer.save_steps={save_steps}",
         "--set",
         "arms.vpo.max_completion_length=32",
     ]
@@ -87,7 +87,7 @@ def test_sigkill_mid_training_resumes_from_last_complete_checkpoint(
     """Kill inside the save of checkpoint-6, rerun: resume from 3, match an uninterrupted run."""
     from safetensors.torch import load_file
 
-    from vpo.train import checkpoint_problem, latest_checkpoint
+    from vpo.pipeline.checkpoints import checkpoint_problem, latest_checkpoint
 
     prepared = prepared_run(tmp_path_factory.getbasetemp(), task="faulttoy")
     ref_dir, run_dir = tmp_path / "reference", tmp_path / "killed"
@@ -127,7 +127,8 @@ def test_sigkill_mid_training_resumes_from_last_complete_checkpoint(
     assert resumed.wait(300) == 0, (tmp_path / "resume.log").read_text()[-3000:]
     assert ref.wait(300) == 0, (tmp_path / "ref.log").read_text()[-3000:]
     resume_log = (tmp_path / "resume.log").read_text()
-    assert f"skipping incomplete checkpoint {trainer_dir / f'checkpoint-{KILL_IN_SAVE}'}" in resume_log
+    assert f"skipping damaged checkpoint {trainer_dir / f'checkpoint-{KILL_IN_SAVE}'}" in resume_log
+    assert "resuming from checkpoint-3 (step 3 of 8)" in resume_log
 
     # resumed at step 3, not 0: the second process's first batch is step 3
     steps = _steps(run_rec)
@@ -136,9 +137,9 @@ def test_sigkill_mid_training_resumes_from_last_complete_checkpoint(
     ref_arm = ref_dir / "runs" / RUN_NAME / "arms" / "vpo-s0"
     ref_metrics = json.loads((ref_arm / "metrics.json").read_text())
     assert metrics["resumed_from"] == "checkpoint-3" and ref_metrics["resumed_from"] is None
-    final_state = json.loads((latest_checkpoint(trainer_dir) / "trainer_state.json").read_text())
-    assert final_state["global_step"] == STEPS
-    assert [r["step"] for r in final_state["log_history"] if "loss" in r] == list(range(1, STEPS + 1))
+    history = json.loads((arm / "history.json").read_text())
+    assert [r["step"] for r in history if "loss" in r] == list(range(1, STEPS + 1))
+    assert not trainer_dir.exists(), "resume checkpoints (optimizer states) outlived the finished run"
 
     # same advantages at every step, same logs, metrics and parameters as the uninterrupted run
     adv, ref_adv = _advantages(run_rec), _advantages(ref_rec)
@@ -165,3 +166,45 @@ def test_sigkill_mid_training_resumes_from_last_complete_checkpoint(
     )
     assert adv_diff <= TOLERANCE and log_diff <= TOLERANCE
     assert metric_diff <= TOLERANCE and param_diff <= TOLERANCE
+
+
+@pytest.mark.timeout(600)
+def test_kill_while_publishing_the_final_model_resumes_without_extra_steps(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Killed after its last checkpoint (step 8 of 8), while saving the final model: the rerun trains
+    no step more, publishes checkpoint-8's weights, and they equal an uninterrupted run's."""
+    from safetensors.torch import load_file
+
+    args = _train_args(steps=8, save_steps=4)
+    prepared = prepared_run(tmp_path_factory.getbasetemp(), task="faulttoy")
+    ref_dir, run_dir = tmp_path / "reference", tmp_path / "killed"
+    copy_prepared(prepared, ref_dir)
+    copy_prepared(prepared, run_dir)
+    run_rec, marker = tmp_path / "run.jsonl", tmp_path / "paused"
+    ref = start_wrapper(args, ref_dir, tmp_path / "ref.log")
+    victim = start_wrapper(args, run_dir, tmp_path / "victim.log", record=run_rec, pause_in_publish=True,
+                           marker=marker)
+    wait_for(marker, victim, 300, tmp_path / "victim.log")
+    victim.send_signal(signal.SIGKILL)
+    assert victim.wait(30) == -signal.SIGKILL
+    arm = run_dir / "runs" / RUN_NAME / "arms" / "vpo-s0"
+    assert (arm / "trainer" / "checkpoint-8" / "trainer_state.json").is_file()
+    assert not (arm / "model").exists()
+    assert _steps(run_rec) == list(range(8))
+
+    resumed = start_wrapper(args, run_dir, tmp_path / "resume.log", record=run_rec)
+    assert resumed.wait(300) == 0, (tmp_path / "resume.log").read_text()[-3000:]
+    assert ref.wait(300) == 0, (tmp_path / "ref.log").read_text()[-3000:]
+    assert "checkpoint-8 is at the requested 8 steps; publishing its weights" in (tmp_path / "resume.log").read_text()
+    assert _steps(run_rec) == list(range(8)), "the rerun trained again"
+    history = json.loads((arm / "history.json").read_text())
+    assert [r["step"] for r in history if "loss" in r] == list(range(1, 9))
+    metrics = json.loads((arm / "metrics.json").read_text())
+    assert metrics["resumed_from"] == "checkpoint-8" and metrics["max_steps"] == 8
+    ref_arm = ref_dir / "runs" / RUN_NAME / "arms" / "vpo-s0"
+    params = load_file(str(arm / "model" / "model.safetensors"))
+    ref_params = load_file(str(ref_arm / "model" / "model.safetensors"))
+    assert sorted(params) == sorted(ref_params)
+    assert max(_max_diff(params[k], ref_params[k]) for k in ref_params) <= TOLERANCE
+    assert _step_logs(arm) == _step_logs(ref_arm)

@@ -8,8 +8,8 @@
 * the ``faulttoy`` task: the route grids with a dense reward (fraction of each move letter in every
   ``[UDLR]+`` run), so an untrained model already gets varied reward vectors and non-zero advantages;
   ``faultbadrows`` (one broken row) and ``faultbadreward`` (wrong shape / NaN / inf) break it on purpose;
-* run as a script it is a thin wrapper around ``vpo.cli.main`` that registers these tasks, scores
-  truncated completions (:func:`keeping_truncated`), can record every step's advantages, and can stop
+* run as a script it is a thin wrapper around ``vpo.pipeline.cli.main`` that registers these tasks,
+  can record every step's advantages, and can stop
   dead inside a chosen checkpoint save (the test then SIGKILLs it there):
   ``python test_faults_support.py [--record F] [--pause-in-save N --marker M] -- ARGS``.
 """
@@ -26,7 +26,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -147,6 +147,9 @@ def write_pipelines(folder: Path, *, task: str = "route", changes: Mapping[str, 
     pipe["task"]["name"] = task
     pipe["model"]["builder_params"] = dict(TINY_MODEL)
     pipe["storage"] = {"registry": "registry", "runs_dir": "runs", "dvc_remote": None}
+    # the untrained tiny test model rarely emits EOS: score completions cut at the token limit too,
+    # or every advantage would be zero
+    pipe["trainer"]["truncated_scores_zero"] = False
     for key, value in (changes or {}).items():
         node = pipe
         *parents, last = key.split(".")
@@ -203,6 +206,7 @@ def start_wrapper(
     *,
     record: Path | None = None,
     pause_in_save: int | None = None,
+    pause_in_publish: bool = False,
     marker: Path | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start this file as the wrapper script around ``vpo ARGS`` (output to ``log``)."""
@@ -212,6 +216,9 @@ def start_wrapper(
     if pause_in_save is not None:
         assert marker is not None
         cmd += ["--pause-in-save", str(pause_in_save), "--marker", str(marker)]
+    if pause_in_publish:
+        assert marker is not None
+        cmd += ["--pause-in-publish", "--marker", str(marker)]
     with open(log, "wb") as out:
         return subprocess.Popen(
             [*cmd, "--", *args],
@@ -282,7 +289,7 @@ def torch_threads(n: int = 1) -> Iterator[None]:
 
 def load_cfg(config: Path, **overrides: Any) -> Any:
     """The quick ``route`` pipeline of ``config`` with dotted-key overrides."""
-    from vpo.config import load_pipeline
+    from vpo.pipeline.config import load_pipeline
 
     return load_pipeline("route", config, quick=True, overrides=overrides or None)
 
@@ -295,14 +302,12 @@ def prepared_run(cache_root: Path, task: str = "route") -> Path:
     session (in-process, one torch thread); copy it with :func:`copy_prepared` before writing."""
     if task in _PREPARED:
         return _PREPARED[task]
-    from vpo.stages import stage_base, stage_data, stage_rewards
+    from vpo.pipeline.runner import run_all
 
     folder = cache_root / f"prepared-{task}"
     cfg = load_cfg(write_pipelines(folder, task=task))
     with torch_threads(1):
-        stage_data(cfg)
-        stage_rewards(cfg)
-        stage_base(cfg)
+        run_all(cfg, ["data", "rewards", "base"], progress=False)
     _PREPARED[task] = folder
     return folder
 
@@ -314,16 +319,6 @@ def copy_prepared(src: Path, dst: Path) -> Path:
 
 
 # --------------------------------------------------------------------------- wrapper script
-
-
-def keeping_truncated(train_arm: Callable[..., Any]) -> Callable[..., Any]:
-    """``train_arm`` that also scores completions cut at the token limit: the untrained tiny test
-    model rarely emits EOS, and scoring those as unparseable would leave every advantage zero."""
-
-    def wrapper(*args: Any, extra_args: Mapping[str, Any] | None = None, **kw: Any) -> Any:
-        return train_arm(*args, extra_args={"truncated_scores_zero": False, **(extra_args or {})}, **kw)
-
-    return wrapper
 
 
 def _install_recorder(record: Path) -> None:
@@ -359,6 +354,18 @@ def _install_pause(step: int, marker: Path) -> None:
     Trainer._save_rng_state = pausing  # type: ignore[method-assign]
 
 
+def _install_publish_pause(marker: Path) -> None:
+    """Stop forever at the start of publishing the final model (after the last checkpoint)."""
+    from vpo.pipeline.stages import train
+
+    def pausing(*args: Any, **kw: Any) -> Any:
+        marker.write_text(json.dumps({"pid": os.getpid(), "at": "publish"}))
+        while True:
+            time.sleep(60)
+
+    train._publish = pausing  # type: ignore[assignment]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The wrapper: parse its own options up to ``--``, install the hooks, run ``vpo`` on the rest."""
     import argparse
@@ -368,16 +375,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="test_faults_support")
     ap.add_argument("--record", type=Path)
     ap.add_argument("--pause-in-save", type=int)
+    ap.add_argument("--pause-in-publish", action="store_true")
     ap.add_argument("--marker", type=Path)
     opts = ap.parse_args(argv[:split])
-    import vpo.train
-
-    vpo.train.train_arm = keeping_truncated(vpo.train.train_arm)  # type: ignore[assignment]
     if opts.record:
         _install_recorder(opts.record)
     if opts.pause_in_save is not None:
         _install_pause(opts.pause_in_save, opts.marker)
-    from vpo.cli import main as vpo_main
+    if opts.pause_in_publish:
+        _install_publish_pause(opts.marker)
+    from vpo.pipeline.cli import main as vpo_main
 
     return vpo_main(argv[split + 1 :])
 

@@ -39,11 +39,13 @@ try:
 except ModuleNotFoundError:  # tests/ imported as a package
     from tests.flows_fixtures import DVC, REPO, FlowResult, make_repo, run
 
+from flows import plan as fplan
+from flows import report, tasks
 from flows import retrain as rt
-from vpo.registry import list_entries, verify_entry
-from vpo.storage import scan_for_secrets, secret_values
+from vpo.pipeline.registry import list_entries, verify_entry
+from vpo.pipeline.storage import scan_for_secrets, secret_values
 
-QUICK_LABELS = {"data", "rewards", "base", "train@grpo-s0", "train@vpo-s0", "train@grpo_x3-s0", "evaluate"}
+QUICK_LABELS = {"data", "rewards", "base", "train@grpo-s0", "train@vpo-s0", "train@grpo_x3-s0", "evaluate", "search"}
 
 
 # --------------------------------------------------------------------------- fast: no servers
@@ -51,14 +53,14 @@ QUICK_LABELS = {"data", "rewards", "base", "train@grpo-s0", "train@vpo-s0", "tra
 
 def test_plan_uses_dvc_stages_for_the_repo_config_and_cli_otherwise(tmp_path: Path) -> None:
     """The repo's pipelines.yaml + dvc.yaml -> DVC mode; another config file -> direct `vpo stage`."""
-    plan = rt.make_plan("route", True, REPO / "pipelines.yaml")
+    plan = fplan.make_plan("route", True, REPO / "pipelines.yaml")
     assert plan.use_dvc and plan.variant == "route-quick"
     assert [s.label for s in plan.steps][:3] == ["data", "rewards", "base"]
     assert {s.label for s in plan.steps} == QUICK_LABELS
-    assert plan.steps[-1].dvc_stage == "route-quick-evaluate"
+    assert plan.steps[-1].dvc_stage == "route-quick-search"
     other = tmp_path / "other.yaml"
     shutil.copy(REPO / "pipelines.yaml", other)
-    assert not rt.make_plan("route", True, other).use_dvc
+    assert not fplan.make_plan("route", True, other).use_dvc
 
 
 def test_plan_refuses_a_stale_dvc_yaml(tmp_path: Path) -> None:
@@ -67,8 +69,8 @@ def test_plan_refuses_a_stale_dvc_yaml(tmp_path: Path) -> None:
     raw = yaml.safe_load((tmp_path / "repo" / "pipelines.yaml").read_text())
     raw["pipelines"]["route"]["quick"]["arms"]["vpo"]["seeds"] = [0, 7]
     (tmp_path / "repo" / "pipelines.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
-    with pytest.raises(RuntimeError, match=r"stale.*train@vpo-s7.*flows.dvcgen"):
-        rt.make_plan("route", True, tmp_path / "repo" / "pipelines.yaml")
+    with pytest.raises(RuntimeError, match=r"stale.*train@vpo-s7.*vpo dvc"):
+        fplan.make_plan("route", True, tmp_path / "repo" / "pipelines.yaml")
 
 
 def test_validation_failure_parsing_and_retry_policy() -> None:
@@ -79,22 +81,22 @@ def test_validation_failure_parsing_and_retry_policy() -> None:
         "  - expect_column_values_to_be_unique on column 'prompt': 2 of 4 rows unexpected",
         "ERROR: failed to reproduce 'x': failed to run: vpo stage data, exited with 2",
     ]
-    msg = rt.validation_failure(lines)
+    msg = tasks.validation_failure(lines)
     assert msg is not None and msg.splitlines()[0] == "dataset 'p/data' failed 1 of 11 expectations:"
     assert msg.splitlines()[1].startswith("  - expect_column_values_to_be_unique")
-    assert rt.validation_failure(["all good"]) is None
-    assert rt._inner_rc(rt._Result(rc=255, tail=lines, seconds=1.0), use_dvc=True) == 2
-    state = mock.Mock(data=rt.DataValidationFailed("x"))
-    assert rt._retryable(mock.Mock(), mock.Mock(), state) is False
-    state.data = rt.StageFailed("transient")
-    assert rt._retryable(mock.Mock(), mock.Mock(), state) is True
-    state.data = rt.InjectedFault("once")
-    assert rt._retryable(mock.Mock(), mock.Mock(), state) is True
+    assert tasks.validation_failure(["all good"]) is None
+    assert tasks._inner_rc(tasks._Result(rc=255, tail=lines, seconds=1.0), use_dvc=True) == 2
+    state = mock.Mock(data=tasks.DataValidationFailed("x"))
+    assert tasks._retryable(mock.Mock(), mock.Mock(), state) is False
+    state.data = tasks.StageFailed("transient")
+    assert tasks._retryable(mock.Mock(), mock.Mock(), state) is True
+    state.data = tasks.InjectedFault("once")
+    assert tasks._retryable(mock.Mock(), mock.Mock(), state) is True
 
 
 def test_artifact_keys_and_tables() -> None:
     """Keys are lowercase/digits/dashes; metrics and registry rows flatten what the stages wrote."""
-    assert rt.artifact_slug("Code_Qwen-quick") == "code-qwen-quick"
+    assert fplan.artifact_slug("Code_Qwen-quick") == "code-qwen-quick"
     metrics = {
         "arms": {
             "vpo": {
@@ -106,7 +108,7 @@ def test_artifact_keys_and_tables() -> None:
             }
         }
     }
-    assert rt.metrics_rows(metrics) == [
+    assert report.metrics_rows(metrics) == [
         {
             "arm": "vpo",
             "runs": 1,
@@ -126,12 +128,12 @@ def test_artifact_keys_and_tables() -> None:
                 "dvc_lock_sha256": "d" * 64,
                 "files": [{}, {}],
                 "size_bytes": 10,
-                "lineage": {"estimator": "vpo", "m": 3, "seed": 0},
+                "lineage": {"estimator": "vpo", "num_answers": 3, "seed": 0},
                 "metrics": {"eval": {"best_at_k": {"1": 0.5}}},
             }
         ]
     }
-    row = rt.registry_rows(reg)[0]
+    row = report.registry_rows(reg)[0]
     assert row["hash"] == "ab" * 8 and row["estimator"] == "vpo" and row["files"] == 2
     assert json.loads(row["best_at_k"]) == {"1": 0.5}
 
@@ -193,13 +195,15 @@ def _table(artifact: Any) -> list[dict[str, Any]]:
 
 
 def _set_storage(repo: Path, bucket: str) -> None:
-    """Point the repo's route pipeline at another bucket (storage is no DVC param: no stage re-runs)."""
+    """Point the repo's route pipeline at another bucket and regenerate params.yaml (storage is no DVC
+    stage's param: no stage re-runs)."""
     path = repo / "pipelines.yaml"
     raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     raw["pipelines"]["route"]["storage"].update(
         dvc_remote=f"s3://{bucket}/dvc", registry=f"s3://{bucket}/registry"
     )
     path.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
+    run([sys.executable, "-m", "vpo.pipeline.cli", "dvc"], repo)
 
 
 # --------------------------------------------------------------------------- progress polling
@@ -225,13 +229,13 @@ def test_train_progress_file_is_polled_into_the_progress_artifact(
     from prefect.artifacts import create_progress_artifact
 
     seen: list[float] = []
-    real = rt.update_progress_artifact
+    real = tasks.update_progress_artifact
 
     def spy(artifact_id: UUID, progress: float) -> Any:
         seen.append(progress)
         return real(artifact_id=artifact_id, progress=progress)
 
-    monkeypatch.setattr(rt, "update_progress_artifact", spy)
+    monkeypatch.setattr(tasks, "update_progress_artifact", spy)
     progress_file = tmp_path / "progress.json"
     (tmp_path / "progress.json").write_text(
         json.dumps({"step": 9, "max_steps": 9})
@@ -241,18 +245,18 @@ def test_train_progress_file_is_polled_into_the_progress_artifact(
     @flow(name="progress-probe")
     def probe() -> UUID:
         artifact_id = create_progress_artifact(progress=0.0, key="probe-train-progress")
-        spec = rt.ProgressSpec(str(artifact_id), index=1, total=2, progress_file=str(progress_file))
+        spec = tasks.ProgressSpec(str(artifact_id), progress_file=str(progress_file))
         cmd = [sys.executable, "-c", _FAKE_TRAINER, str(progress_file)]
-        rt.run_stage("train@probe-s0", cmd, str(tmp_path), False, "probe", spec)
+        tasks.run_stage("train@probe-s0", cmd, str(tmp_path), False, "probe", spec)
         return artifact_id
 
     state = probe(return_state=True)
     assert state.is_completed()
-    assert seen == [66.7, 83.3, 100.0, 100.0]
+    assert seen == [33.3, 66.7, 100.0, 100.0]
     arts = _artifacts(state.state_details.flow_run_id)
     assert float(arts["probe-train-progress"].data) == 100.0
     assert any(
-        "train@probe-s0: step 2/3, training 83.3 % done" in line
+        "train@probe-s0: step 2/3" in line
         for line in _logs(state.state_details.flow_run_id)
     )
 
@@ -279,7 +283,7 @@ def test_flow_runs_every_stage_then_pushes_registers_publishes(quick_flow: FlowR
             "-c",
             "-r",
             "storage",
-            *rt.make_plan("route", True, quick_flow.repo / "pipelines.yaml").dvc_targets,
+            *fplan.make_plan("route", True, quick_flow.repo / "pipelines.yaml").dvc_targets,
         ],
         quick_flow.repo,
     )
@@ -307,7 +311,9 @@ def test_artifacts_report_metrics_registry_and_progress(quick_flow: FlowResult) 
         "route-quick-report",
         "route-quick-metrics",
         "route-quick-registry",
-        "route-quick-train-progress",
+        "route-quick-train-grpo-s0",
+        "route-quick-train-vpo-s0",
+        "route-quick-train-grpo-x3-s0",
     } <= set(arts)
     report = arts["route-quick-report"]
     assert report.type == "markdown"
@@ -321,8 +327,8 @@ def test_artifacts_report_metrics_registry_and_progress(quick_flow: FlowResult) 
     assert all("best@5" in row for row in metrics)
     registry = _table(arts["route-quick-registry"])
     assert sorted(row["arm"] for row in registry) == ["grpo-s0", "grpo_x3-s0", "vpo-s0"]
-    progress = arts["route-quick-train-progress"]
-    assert progress.type == "progress" and float(progress.data) == 100.0
+    for key in ("route-quick-train-grpo-s0", "route-quick-train-vpo-s0", "route-quick-train-grpo-x3-s0"):
+        assert arts[key].type == "progress" and float(arts[key].data) == 100.0, key
 
 
 @pytest.mark.slow
@@ -339,7 +345,7 @@ def test_registry_holds_every_checkpoint_with_lineage(quick_flow: FlowResult) ->
         assert e.git_rev == head and e.dvc_lock_sha256 == lock_sha
         assert e.lineage["pipeline"] == "route" and e.lineage["quick"] is True
         assert e.lineage["estimator"] == {"grpo-s0": "grpo", "vpo-s0": "vpo", "grpo_x3-s0": "grpo"}[e.arm]
-        assert e.params["trainer"]["steps"] == 4 and "best_at_k" in e.metrics["eval"]
+        assert e.params["trainer"]["max_steps"] == 4 and "best_at_k" in e.metrics["eval"]
         model = repo / "runs" / "route-quick" / "arms" / str(e.arm) / "model"
         assert sorted(f.path for f in e.files) == sorted(
             p.relative_to(model).as_posix() for p in model.rglob("*") if p.is_file()
@@ -526,7 +532,7 @@ def test_s3_outage_during_push_is_retried_and_registry_stays_consistent(
     assert sorted(e.arm for e in entries) == ["grpo-s0", "grpo_x3-s0", "vpo-s0"]
     for e in entries:
         verify_entry(e)
-    targets = rt.make_plan("route", True, repo / "pipelines.yaml").dvc_targets
+    targets = fplan.make_plan("route", True, repo / "pipelines.yaml").dvc_targets
     assert "in sync" in run([DVC, "status", "-c", "-r", "storage", *targets], repo).stdout
 
 

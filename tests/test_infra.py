@@ -465,10 +465,10 @@ def test_serve_script_fetches_registered_checkpoint_first() -> None:
     out = serve("--dry-run", "--registry", "s3://vpo-artifacts/registry", "--entry", "abc123def")
     fetch_part, serve_part = out.stdout.split("--\n")
     fetch_argv = fetch_part.split()
-    assert fetch_argv[1:4] == ["-m", "vpo.registry", "fetch"]
+    assert fetch_argv[1:5] == ["-m", "vpo.pipeline.cli", "registry", "fetch"]
     dest = fetch_argv[fetch_argv.index("--dest") + 1]
     assert dest.endswith("/abc123def") and serve_part.split()[2] == dest
-    from vpo.registry import main
+    from vpo.pipeline.registry import main
 
     with pytest.raises(SystemExit):  # the fetch arguments are the module CLI's
-        main(fetch_argv[4:] + ["--help"])
+        main(fetch_argv[4:] + ["--help"])  # `vpo registry ARGS` is the registry module's CLI

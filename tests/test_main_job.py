@@ -74,3 +74,43 @@ def test_search_spent_equal_budgets(quick_run: tuple[Path, str]) -> None:
             assert r["m"] == m_of[name.split("/")[0]], name
             calls = -(-6 // r["m"])  # budget counts answer slots: 6 calls of 1 answer, 2 calls of 3
             assert r["iterations"] <= calls and (r["solved"] or r["iterations"] == calls), (name, r["iterations"])
+
+
+def test_quick_preset_learns(quick_run: tuple[Path, str]) -> None:
+    """The quick preset is small but real: its base parses its own answers, every arm's loss is
+    non-zero at some step, almost every rollout parses, and every arm's weights moved."""
+    from safetensors.torch import load_file
+
+    run, _ = quick_run
+    metrics = json.loads((run / "eval" / "metrics.json").read_text())
+    assert metrics["runs"]["base-m1"]["parse_rate"] > 0.7 and metrics["runs"]["base-m3"]["parse_rate"] > 0.4
+    base = load_file(str(run / "base" / "model.safetensors"))
+    for arm in ("grpo-s0", "vpo-s0", "grpo_x3-s0"):
+        logs = [r for r in json.loads((run / "arms" / arm / "history.json").read_text()) if "loss" in r]
+        assert any(abs(r["loss"]) > 1e-6 for r in logs), (arm, [r["loss"] for r in logs])
+        unparsed = sum(r["vpo/frac_unparsed"] for r in logs) / len(logs)
+        assert unparsed < 0.5, (arm, unparsed)
+        weights = load_file(str(run / "arms" / arm / "model" / "model.safetensors"))
+        moved = max(float((weights[k] - base[k]).abs().max()) for k in base)
+        assert moved > 0, f"{arm}: weights equal the base's"
+
+
+def test_rerun_redoes_only_what_changed_and_says_why(quick_run: tuple[Path, str]) -> None:
+    """A second `vpo run --quick` with one training setting changed: data, rewards and base are up to
+    date; every arm retrains, naming the change; evaluation reruns because its inputs changed."""
+    run, _ = quick_run
+    folder = run.parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    base_before = (run / "base" / "model.safetensors").stat().st_mtime_ns
+    proc = subprocess.run([str(VPO), "run", "--quick", "--no-search", "--config", "pipelines.yaml",
+                           "--set", "trainer.max_steps=5"],
+                          cwd=folder, env=env, capture_output=True, text=True, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    for stage in ("data", "rewards", "base"):
+        assert f"[vpo] {stage}: up to date" in out, out[-3000:]
+    for arm in ("grpo-s0", "vpo-s0", "grpo_x3-s0"):
+        assert f"[vpo] train@{arm}: trainer.max_steps changed 4 -> 5; retraining" in out, out[-3000:]
+        assert json.loads((run / "arms" / arm / "metrics.json").read_text())["max_steps"] == 5
+    assert "[vpo] evaluate: input train@grpo-s0, train@grpo_x3-s0, train@vpo-s0 changed; running" in out
+    assert (run / "base" / "model.safetensors").stat().st_mtime_ns == base_before

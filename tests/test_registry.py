@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from vpo import registry
-from vpo.registry import (
+from vpo.pipeline import registry
+from vpo.pipeline.registry import (
     IncompleteCheckpointError,
     RegistryError,
     check_checkpoint,
@@ -24,7 +24,7 @@ from vpo.registry import (
     register,
     verify_entry,
 )
-from vpo.storage import get_filesystem, scan_for_secrets
+from vpo.pipeline.storage import get_filesystem, scan_for_secrets
 
 
 def make_checkpoint(root: Path, *, seed: int = 0, weights_size: int = 4096) -> Path:

@@ -1,4 +1,4 @@
-"""vpo.storage: one set of AWS_* env vars for s3fs/DVC, secret redaction, and atomic writes that
+"""vpo.pipeline.storage: one set of AWS_* env vars for s3fs/DVC, secret redaction, and atomic writes that
 leave the old or the new artifact after an injected crash, never a torn one."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from vpo import storage
-from vpo.storage import (
+from vpo.pipeline import storage
+from vpo.pipeline.storage import (
     RedactingFilter,
     S3Settings,
     StorageError,
@@ -251,7 +251,7 @@ def test_atomic_dir_survives_sigkill_mid_write(tmp_path: Path) -> None:
     code = textwrap.dedent(
         f"""
         import time, pathlib
-        from vpo.storage import atomic_dir
+        from vpo.pipeline.storage import atomic_dir
         with atomic_dir({str(target)!r}) as tmp:
             (tmp / "data.txt").write_text("new-but-unfinished")
             pathlib.Path({str(marker)!r}).touch()
@@ -273,3 +273,20 @@ def test_atomic_dir_survives_sigkill_mid_write(tmp_path: Path) -> None:
     assert remove_stale_temps(target, older_than_s=3600) == []  # young: may belong to a live writer
     assert remove_stale_temps(target, older_than_s=0) == stale
     assert siblings(target) == ["writing"]
+
+
+def test_published_files_and_folders_follow_the_umask(tmp_path: Path) -> None:
+    """Atomic writes publish with the umask's usual modes (mkstemp/mkdtemp alone give 0600/0700)."""
+    import os
+
+    old = os.umask(0o022)
+    try:
+        f = storage.atomic_write_json(tmp_path / "a.json", {"x": 1})
+        with storage.atomic_dir(tmp_path / "folder") as tmp:
+            (tmp / "inner.txt").write_text("x")
+        os.umask(0o027)
+        g = storage.atomic_write_text(tmp_path / "b.txt", "y")
+    finally:
+        os.umask(old)
+    assert (f.stat().st_mode & 0o777, (tmp_path / "folder").stat().st_mode & 0o777) == (0o644, 0o755)
+    assert g.stat().st_mode & 0o777 == 0o640

@@ -1,4 +1,4 @@
-"""`vpo ui`'s server (flows.retrain.LocalServer): a real ``prefect server start`` on loopback that
+"""`vpo ui`'s server (flows.server.LocalServer): a real ``prefect server start`` on loopback that
 serves both the API and the UI, offline, and stops cleanly.
 
 When a Chromium is installed (Debian: ``apt-get install chromium``), the flow run page is also
@@ -47,7 +47,7 @@ def test_local_server_serves_api_and_ui_and_a_flow_run_page(tmp_path: Path) -> N
     from prefect import flow
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows.retrain import LocalServer, _healthy
+    from flows.server import LocalServer, _healthy
 
     server = LocalServer(tmp_path / "prefect-home", _free_port())
     server.start()

@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from vpo.validation import (
+from vpo.pipeline.validation import (
     REWARD_COLUMNS,
     ValidationError,
     reward_vectors_frame,
@@ -48,7 +48,7 @@ def test_good_dataset_passes_with_summary() -> None:
 
 
 def test_gx_is_imported_lazily() -> None:
-    code = "import sys, vpo.validation; print('great_expectations' in sys.modules)"
+    code = "import sys, vpo.pipeline.validation; print('great_expectations' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -6,13 +6,19 @@ Rows are plain dicts with at least ``id`` and ``prompt``; everything else a rewa
 
 from __future__ import annotations
 
+import inspect
+import sys
+import types
+import typing
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from vpo.answers import add_instruction
 from vpo.rewards import VectorReward
 
-__all__ = ["Task", "available_tasks", "get_task", "register_task"]
+__all__ = ["Task", "available_tasks", "check_task_params", "get_task", "register_task", "task_parameters",
+           "task_source_file"]
 
 
 class Task:
@@ -67,3 +73,127 @@ def get_task(name: str, **params: Any) -> Task:
     if name not in _TASKS:
         raise KeyError(f"unknown task {name!r}; available: {', '.join(sorted(_TASKS)) or 'none'}")
     return _TASKS[name](**params)
+
+
+def _factory(name: str) -> Callable[..., Task]:
+    _import_builtin()
+    if name not in _TASKS:
+        raise KeyError(f"unknown task {name!r}; available: {', '.join(sorted(_TASKS)) or 'none'}")
+    return _TASKS[name]
+
+
+def _callable_params(fn: Any) -> tuple[dict[str, tuple[inspect.Parameter, Any]], bool]:
+    """(name -> (parameter, type hint)) of ``fn``, and whether it also takes ``**kwargs``."""
+    sig = inspect.signature(fn)
+    try:
+        hints = typing.get_type_hints(fn)
+    except (NameError, TypeError, AttributeError):  # an annotation that cannot be resolved here
+        hints = {}
+    params = {k: (p, hints.get(k, Any)) for k, p in sig.parameters.items()
+              if k != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    return params, any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+
+
+def _declared(name: str) -> tuple[dict[str, tuple[inspect.Parameter, Any]], bool]:
+    """Task ``name``'s parameters with their type hints, and whether other names may still be
+    accepted (a factory forwarding ``**kwargs`` where we cannot see). A ``**params`` factory whose
+    return annotation is a class, and a class whose ``__init__`` forwards ``**params`` to its
+    parent's, are followed down to the parameters that are really there."""
+    factory = _factory(name)
+    target: Any = factory if isinstance(factory, type) else None
+    params, open_ = ({}, True) if target is not None else _callable_params(factory)
+    if target is None and open_:
+        try:
+            returned = typing.get_type_hints(factory).get("return")
+        except (NameError, TypeError):
+            returned = None
+        target = returned if isinstance(returned, type) else None
+    if target is not None:
+        params, open_ = {}, True
+        for klass in target.__mro__:
+            init = klass.__dict__.get("__init__")
+            if init is None or klass is object:
+                continue
+            found, open_ = _callable_params(init)
+            for k, v in found.items():
+                params.setdefault(k, v)
+            if not open_:
+                break
+    return params, open_
+
+
+def task_parameters(name: str) -> dict[str, inspect.Parameter]:
+    """The keyword parameters task ``name`` accepts (a task's parameters are its schema)."""
+    return {k: p for k, (p, _) in _declared(name)[0].items()}
+
+
+def _strict(annotation: Any) -> Any:
+    """The annotation with its scalars made strict (YAML ``true`` is not 1, ``"3"`` is not 3) and
+    tuples accepting lists (YAML has no tuples)."""
+    from collections import abc
+
+    from pydantic import StrictBool, StrictFloat, StrictInt, StrictStr
+
+    scalars = {bool: StrictBool, int: StrictInt, float: StrictFloat, str: StrictStr}
+    if annotation in scalars:
+        return scalars[annotation]
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return typing.Union[tuple(_strict(a) for a in args)]  # noqa: UP007 (built from a tuple)
+    if origin is tuple:
+        inner = [a for a in args if a is not Ellipsis]
+        item = typing.Union[tuple(_strict(a) for a in inner)] if inner else Any  # noqa: UP007
+        return list[item]  # lists only: a tuple's length is the task's own check
+    if origin in (list, abc.Sequence):
+        return list[_strict(args[0])] if args else list[Any]
+    if origin in (dict, abc.Mapping):
+        return dict[_strict(args[0]), _strict(args[1])] if len(args) == 2 else dict[str, Any]
+    return annotation
+
+
+def check_task_params(name: str, params: Mapping[str, Any]) -> list[tuple[tuple[str | int, ...], str]]:
+    """Problems with ``params`` for task ``name``, as (key path, message): unknown names (with the
+    known ones), missing required ones, wrong types. Values are checked by the task itself when it
+    is built; this check needs no data and runs when a pipeline is loaded."""
+    from pydantic import ConfigDict, PydanticUserError, ValidationError, create_model
+
+    try:
+        declared, open_ = _declared(name)
+    except KeyError as exc:
+        return [((), str(exc.args[0]))]
+    problems: list[tuple[tuple[str | int, ...], str]] = []
+    if not open_:
+        problems += [((key,), f"unknown parameter of task {name!r}; parameters: {', '.join(declared)}")
+                     for key in params if key not in declared]
+    fields = {key: (_strict(hint), ... if p.default is inspect.Parameter.empty else p.default)
+              for key, (p, hint) in declared.items()}
+    try:
+        model = create_model(f"{name}_params", __config__=ConfigDict(arbitrary_types_allowed=True,
+                                                                     allow_inf_nan=False), **fields)
+    except (TypeError, ValueError, AttributeError, PydanticUserError):  # hints pydantic cannot express
+        return problems
+    try:
+        model.model_validate({k: v for k, v in params.items() if k in declared})
+    except ValidationError as exc:
+        by_key: dict[str | int, list[str]] = {}
+        for err in exc.errors():  # a union reports one error per branch: one line per parameter
+            msg = str(err["msg"]).removeprefix("Value error, ").removeprefix("Input should be ")
+            if err["type"] == "missing":
+                msg = "required parameter is missing"
+            by_key.setdefault(err["loc"][0], [])
+            if msg not in by_key[err["loc"][0]]:
+                by_key[err["loc"][0]].append(msg)
+        for key, msgs in by_key.items():
+            got = params.get(str(key))
+            text = " or ".join(msgs)
+            if text != "required parameter is missing":
+                text = f"expected {text}, got {got!r} ({type(got).__name__})"
+            problems.append(((key,), text))
+    return problems
+
+
+def task_source_file(name: str) -> Path | None:
+    """The file that defines task ``name`` (its code is part of what a stage's output depends on)."""
+    module = sys.modules.get(getattr(_factory(name), "__module__", ""))
+    path = getattr(module, "__file__", None)
+    return Path(path) if path else None

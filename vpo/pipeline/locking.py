@@ -2,7 +2,7 @@
 
 ``runs/<pipeline>[-quick]/.lock`` is locked with ``fcntl.flock``:
 
-* whole-pipeline work (``vpo run`` / :func:`vpo.stages.run_all`, ``vpo stage NAME``) holds it
+* whole-pipeline work (``vpo run`` / :func:`vpo.pipeline.runner.run_all`, ``vpo stage NAME``) holds it
   exclusively;
 * ``vpo stage train --arm A --seed S`` holds it shared plus ``.locks/A-sS.lock`` exclusively, so
   different arms may train in parallel (separate processes) while no other stage runs, and the
@@ -111,7 +111,7 @@ def read_holder(path: str | os.PathLike[str]) -> LockHolder | None:
 
 def _command() -> str:
     """This process's command line, secrets masked, at most 200 characters."""
-    from vpo.storage import redact
+    from vpo.pipeline.storage import redact
 
     argv = [Path(sys.argv[0]).name if sys.argv else "python", *sys.argv[1:]]
     text = redact(" ".join(argv))

@@ -21,6 +21,7 @@ Relative paths in the file are resolved against the folder holding the file.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -42,8 +43,10 @@ from pydantic import (
     model_validator,
 )
 
+from vpo.pipeline.names import variant_name
+
 __all__ = [
-    "ESTIMATORS",
+    "PARAMS_FILE",
     "ArmConfig",
     "ConfigError",
     "DatasetConfig",
@@ -53,19 +56,22 @@ __all__ = [
     "PipelinesFile",
     "SFTConfig",
     "SearchConfig",
+    "SearchDatabaseConfig",
     "StorageConfig",
     "TaskConfig",
     "TrainerConfig",
+    "apply_overrides",
     "deep_merge",
     "load_all",
     "load_pipeline",
+    "load_variant",
     "pipeline_names",
+    "settings_digest",
+    "variant_settings",
 ]
 
 DEFAULT_PATH = "pipelines.yaml"
 
-Estimator = Literal["grpo", "vpo", "gdpo", "multi_rlvr", "random_weight_grpo", "maxrl"]
-ESTIMATORS: tuple[str, ...] = ("grpo", "vpo", "gdpo", "multi_rlvr", "random_weight_grpo", "maxrl")
 LossType = Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"]
 
 _NAME_RE = r"^[a-z0-9][a-z0-9_-]*$"  # used in file names, DVC stage names and Prefect keys
@@ -93,7 +99,11 @@ class ConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    """Strict sections: unknown keys are errors, no type coercion (``true`` is not 1, ``"3"`` is not 3),
+    no infinite or NaN numbers."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, strict=True,
+                              allow_inf_nan=False)
 
 
 def _base_dir(info: ValidationInfo) -> Path:
@@ -185,31 +195,16 @@ class ModelConfig(_Strict):
 
 
 class DatasetConfig(_Strict):
-    """Where problem rows come from and how they are validated (see :mod:`vpo.validation`)."""
+    """How the task's problem rows are validated before they are written (:mod:`vpo.pipeline.validation`).
+    The rows themselves come from the task (``task.params``, e.g. the code task's ``source``)."""
 
-    source: str | None = Field(
-        default=None,
-        description="None: the task generates its rows; else a local file/folder or s3:// URL to import",
-    )
-    format: Literal["auto", "parquet", "jsonl", "json", "csv", "hf_disk"] = "auto"
     splits: list[str] = Field(default_factory=lambda: ["train", "test"], min_length=1)
     max_prompt_chars: PositiveInt = 4096
     min_rows_per_split: PositiveInt = 1
-    tests_column: str | None = Field(default=None, description="column of per-problem tests to count")
-    min_tests: int = Field(default=1, ge=0)
-
-    @field_validator("source")
-    @classmethod
-    def _check_source(cls, value: str | None, info: ValidationInfo) -> str | None:
-        if value is None:
-            return value
-        value = _check_local_url(value, "dataset.source")
-        if not value.startswith("s3://"):
-            local = value.removeprefix("file://")
-            resolved = (_base_dir(info) / Path(local).expanduser()).resolve()
-            if not resolved.exists():
-                raise ValueError(f"dataset source {value!r} does not exist (resolved to {resolved})")
-        return value
+    tests_column: str | None = Field(
+        default=None, description="row field holding each problem's tests: every problem needs min_tests"
+    )
+    min_tests: int = Field(default=1, ge=0, description="with tests_column: the fewest tests a problem may have")
 
     @field_validator("splits")
     @classmethod
@@ -229,11 +224,12 @@ class SFTConfig(_Strict):
 
 
 class ArmConfig(_Strict):
-    """One estimator arm of the experiment; each (arm, seed) is one training run and checkpoint."""
+    """One estimator arm of the experiment; each (arm, seed) is one training run and checkpoint.
+    Field names are :class:`vpo.trainer.VPOConfig`'s (see :mod:`vpo.pipeline.settings`)."""
 
     name: Annotated[str, Field(pattern=_NAME_RE, description="arm id used in paths and stage names")]
-    estimator: Estimator
-    m: PositiveInt = Field(default=1, description="answers per rollout (VPO answer-set size)")
+    estimator: str = Field(description="a registered advantage estimator (vpo.advantages.ESTIMATORS)")
+    num_answers: PositiveInt = Field(default=1, description="m: answers per rollout (VPO answer-set size)")
     num_generations: int = Field(default=8, ge=2, description="G: rollouts per prompt")
     rollout_multiplier: PositiveInt = Field(
         default=1,
@@ -254,6 +250,16 @@ class ArmConfig(_Strict):
             raise ValueError(f"seeds must be unique, got {value}")
         return value
 
+    @field_validator("estimator")
+    @classmethod
+    def _known_estimator(cls, value: str) -> str:
+        from vpo.advantages import ESTIMATORS  # the registry is the one list of estimator names
+
+        if value.lower() not in ESTIMATORS:
+            raise ValueError(f"unknown advantage estimator {value!r}; registered: "
+                             f"{', '.join(repr(n) for n in sorted(ESTIMATORS))}")
+        return value.lower()
+
     def completion_length(self, trainer: TrainerConfig) -> int:
         """This arm's completion token limit."""
         return self.max_completion_length or trainer.max_completion_length
@@ -265,30 +271,42 @@ class ArmConfig(_Strict):
 
 
 class TrainerConfig(_Strict):
-    """RL trainer settings shared by all arms (TRL GRPO-style loop with VPO advantages)."""
+    """RL trainer settings shared by all arms. Names are TRL's ``GRPOConfig`` / :class:`VPOConfig`
+    field names; :mod:`vpo.pipeline.settings` maps every field (or says why it is pipeline-only)."""
 
-    steps: PositiveInt = 100
-    prompts_per_step: PositiveInt = 8
-    lr: PositiveFloat = 5e-4
+    max_steps: PositiveInt = 100
+    prompts_per_step: PositiveInt = Field(default=8, description="prompts per optimizer step (x rollouts = batch)")
+    learning_rate: PositiveFloat = 5e-4
     beta: NonNegativeFloat = Field(default=0.0, description="KL coefficient (0 = no reference model)")
     temperature: PositiveFloat = 1.0
-    max_prompt_length: PositiveInt = 512
+    max_prompt_length: PositiveInt | None = Field(
+        default=None, description="longest prompt in tokens; a longer one is an error naming its row"
+    )
     max_completion_length: PositiveInt = 64
-    num_weights: PositiveInt = Field(default=100, description="K: scalarisation weights per step")
-    alpha: PositiveFloat = Field(default=1.0, description="Dirichlet concentration of the weight sampler")
-    sampler: Literal["dirichlet", "sobol"] = "dirichlet"
+    num_weights: PositiveInt = Field(default=100, description="K: scalarisation weights per prompt group")
+    weight_alpha: PositiveFloat = Field(default=1.0, description="Dirichlet concentration of the weight sampler")
+    weight_sampler: Literal["dirichlet", "sobol"] = "dirichlet"
     loss_type: LossType = "dapo"
-    generation_backend: Literal["transformers", "vllm"] = "transformers"
+    use_vllm: bool = Field(default=False, description="generate rollouts with vLLM (GPU, optional extra)")
     vllm_mode: Literal["colocate", "server"] = "colocate"
-    vllm_server_url: str | None = Field(
+    vllm_server_base_url: str | None = Field(
         default=None, description="for vllm_mode=server (infra/vllm/serve.sh)"
     )
     gradient_accumulation_steps: PositiveInt = 1
     logging_steps: PositiveInt = 1
     save_steps: PositiveInt = Field(default=25, description="checkpoint interval (resume points)")
+    save_total_limit: PositiveInt = Field(
+        default=2, description="resume checkpoints kept while an arm trains (all are deleted once it finished)"
+    )
     bf16: bool = False
+    truncated_scores_zero: bool = Field(
+        default=True, description="a completion cut at max_completion_length (no EOS) scores as unparseable"
+    )
+    report_to: list[Literal["dvclive", "tensorboard", "wandb", "trackio", "mlflow"]] = Field(
+        default_factory=lambda: ["dvclive"], description="experiment trackers that receive the training logs"
+    )
     accelerate_config: str | None = Field(
-        default=None, description="accelerate config file for multi-GPU runs"
+        default=None, description="accelerate config file: the train stage runs under `accelerate launch`"
     )
 
     @field_validator("accelerate_config")
@@ -302,8 +320,10 @@ class TrainerConfig(_Strict):
 
     @model_validator(mode="after")
     def _server_url(self) -> TrainerConfig:
-        if self.generation_backend == "vllm" and self.vllm_mode == "server" and not self.vllm_server_url:
-            raise ValueError("vllm_mode 'server' needs vllm_server_url")
+        if self.use_vllm and self.vllm_mode == "server" and not self.vllm_server_base_url:
+            raise ValueError("vllm_mode 'server' needs vllm_server_base_url")
+        if self.vllm_server_base_url and not (self.use_vllm and self.vllm_mode == "server"):
+            raise ValueError("vllm_server_base_url is used only with use_vllm: true and vllm_mode: server")
         return self
 
 
@@ -338,12 +358,34 @@ class StorageConfig(_Strict):
     dvc_remote: str | None = Field(default=None, description="DVC remote URL (None: no push/pull)")
     dvc_remote_name: Annotated[str, Field(pattern=_NAME_RE)] = "storage"
     registry: str = Field(default="runs/registry", description="checkpoint registry URL")
-    runs_dir: str = Field(default="runs", description="local working folder for stage outputs")
+    runs_dir: str = Field(default="runs", min_length=1, description="local working folder for stage outputs")
 
     @field_validator("dvc_remote", "registry")
     @classmethod
     def _check_url(cls, value: str | None, info: ValidationInfo) -> str | None:
         return None if value is None else _check_local_url(value, f"storage.{info.field_name}")
+
+    @field_validator("runs_dir")
+    @classmethod
+    def _check_runs_dir(cls, value: str, info: ValidationInfo) -> str:
+        if not value.strip():
+            raise ValueError("expected a folder name such as 'runs', got an empty string")
+        if (_base_dir(info) / Path(value).expanduser()).resolve() == _base_dir(info).resolve():
+            raise ValueError(f"{value!r} is the config file's own folder; run outputs need a folder of their own")
+        return value
+
+
+class SearchDatabaseConfig(_Strict):
+    """Program database of the evolutionary search (:class:`vpo.search.ProgramDatabase`)."""
+
+    num_islands: PositiveInt = 4
+    bins: PositiveInt = 10
+    exploration_ratio: float = Field(default=0.2, ge=0.0, le=1.0)
+    exploitation_ratio: float = Field(default=0.5, ge=0.0, le=1.0)
+    temperature: PositiveFloat = 0.1
+    num_inspirations: int = Field(default=2, ge=0)
+    migration_interval: PositiveInt = 10
+    migration_rate: float = Field(default=0.1, gt=0.0, le=1.0)
 
 
 class SearchConfig(_Strict):
@@ -352,10 +394,17 @@ class SearchConfig(_Strict):
 
     enabled: bool = True
     method: Literal["evolution", "openevolve"] = "evolution"
-    budget: PositiveInt = Field(default=64, description="candidates per problem and arm")
+    budget: PositiveInt = Field(default=64, description="answer slots per problem and arm")
     iterations: PositiveInt = 10
-    server_url: str | None = Field(default=None, description="OpenAI-compatible endpoint (vLLM)")
-    params: dict[str, Any] = Field(default_factory=dict)
+    n_problems: PositiveInt = Field(default=8, description="held-out problems searched, hardest first")
+    prompt_mode: Literal["auto", "plain", "parents"] = Field(
+        default="auto", description="plain prompt, or one that shows parents and their per-test results"
+    )
+    baseline: bool = Field(default=True, description="also run best-of-k with the same budget")
+    stop_when_solved: bool = True
+    checkpoint_every: PositiveInt = Field(default=10, description="iterations between resume checkpoints")
+    database: SearchDatabaseConfig = Field(default_factory=SearchDatabaseConfig)
+    server_url: str | None = Field(default=None, description="OpenAI-compatible endpoint (vLLM) for openevolve")
 
 
 class PipelineConfig(_Strict):
@@ -376,6 +425,17 @@ class PipelineConfig(_Strict):
 
     _source_file: Path | None = PrivateAttr(default=None)
     _quick: bool = PrivateAttr(default=False)
+    _loaded: Any = PrivateAttr(default=None)  # the parsed file, for line numbers in later errors
+    _origin: str = PrivateAttr(default="base")  # base | quick | command-line | params
+    _cli: tuple[str, ...] = PrivateAttr(default=())  # the `vpo` arguments that load this same config
+
+    @field_validator("arms", mode="before")
+    @classmethod
+    def _arms_mapping(cls, value: Any) -> Any:
+        """``arms`` may also be a mapping from arm name to its settings (the form params.yaml uses)."""
+        if isinstance(value, Mapping):
+            return [{"name": k, **v} if isinstance(v, Mapping) else v for k, v in value.items()]
+        return value
 
     @field_validator("arms")
     @classmethod
@@ -425,9 +485,51 @@ class PipelineConfig(_Strict):
         """Return ``s3://`` URLs unchanged and local paths resolved against :attr:`base_dir`."""
         return value if value.startswith("s3://") else str(self.resolve_path(value.removeprefix("file://")))
 
+    @property
+    def variant(self) -> str:
+        """The pipeline with its preset: ``route`` or ``route-quick`` (the run folder's name)."""
+        return variant_name(self.name, self.quick)
+
+    @property
+    def model_source(self) -> str:
+        """What ``from_pretrained`` gets: a local ``model.path_or_id`` resolved against the config
+        file's folder (so it works from any working directory), else the hub id as written."""
+        value = self.model.path_or_id
+        if value is None:
+            raise ValueError(f"pipeline {self.name!r} builds its model ({self.model.builder}); it has no path_or_id")
+        local = self.resolve_path(value)
+        return str(local) if (_looks_local(value) or local.exists()) else value
+
     def params(self) -> dict[str, Any]:
         """Plain JSON-able dict of every setting (for registry entries and run metadata)."""
         return self.model_dump(mode="json")
+
+    def cli_args(self) -> list[str]:
+        """The ``vpo`` options that load this very config (file, pipeline or variant, preset, every
+        ``--set``): a subprocess such as an ``accelerate launch`` of a stage gets the same settings."""
+        return list(self._cli)
+
+    def settings(self) -> dict[str, Any]:
+        """Every setting as plain JSON data with ``arms`` keyed by arm name: the form stage
+        fingerprints and ``params.yaml`` use (one arm's settings are addressable as ``arms.<name>``)."""
+        data = self.model_dump(mode="json", exclude={"name"})
+        data["arms"] = {a.pop("name"): a for a in data["arms"]}
+        return data
+
+    def problem(self, keys: Sequence[str | int], message: str) -> ConfigError:
+        """A :class:`ConfigError` about the setting at ``keys`` (e.g. ``("task", "params", "source")``)
+        found after loading (when a stage builds the task), with its file, pipeline and line."""
+        key_text = ".".join(str(k) for k in keys)
+        label = self.name if self._origin == "base" else f"{self.name} ({self._origin} settings)"
+        if self._loaded is None:
+            return ConfigError(self._source_file or "<in memory>", label, [(key_text, message)])
+        if self._origin == "params":
+            item = self._loaded.problem([self.variant, *keys], key_text, message)
+        else:
+            extra = ["quick"] if self._origin == "quick" else []
+            item = self._loaded.problem(["pipelines", self.name, *extra, *keys], f"pipelines.{self.name}.{key_text}",
+                                        message)
+        return ConfigError(self._loaded.path, label, [item])
 
 
 class PipelinesFile(_Strict):
@@ -532,11 +634,29 @@ def _describe(value: Any) -> str:
     return f"{text} ({type(value).__name__})"
 
 
+_MOVED: dict[tuple[type[BaseModel], str], str] = {
+    (TrainerConfig, "steps"): "max_steps",
+    (TrainerConfig, "lr"): "learning_rate",
+    (TrainerConfig, "alpha"): "weight_alpha",
+    (TrainerConfig, "sampler"): "weight_sampler",
+    (TrainerConfig, "generation_backend"): "use_vllm (true/false)",
+    (TrainerConfig, "vllm_server_url"): "vllm_server_base_url",
+    (ArmConfig, "m"): "num_answers",
+    (DatasetConfig, "source"): "task.params.source (the task reads its rows)",
+    (DatasetConfig, "format"): "task.params.format (the task reads its rows)",
+    (SearchConfig, "params"): "search.n_problems / prompt_mode / baseline / database (typed keys)",
+}
+"""Keys that were renamed (to TRL's / VPOConfig's names) or moved: the error says where they went."""
+
+
 def _format_error(model: type[BaseModel], err: Mapping[str, Any]) -> str:
     kind = err["type"]
     loc = err["loc"]
     if kind == "extra_forbidden":
         owner = _model_at(model, loc[:-1])
+        moved = _MOVED.get((owner, str(loc[-1]))) if owner else None
+        if moved:
+            return f"unknown key: now {moved}"
         allowed = f"; allowed keys: {', '.join(owner.model_fields)}" if owner else ""
         return f"unknown key{allowed}"
     if kind == "missing":
@@ -589,21 +709,50 @@ class _Loaded:
         return (f"{key_text} (line {line})" if line else key_text, message)
 
 
-def _read(path: str | os.PathLike[str]) -> _Loaded:
+def _duplicate_keys(node: yaml.Node | None, path: tuple[str, ...] = ()) -> list[tuple[str, str]]:
+    """(key, message) for every mapping key written twice (YAML keeps the last one silently)."""
+    found: list[tuple[str, str]] = []
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for k, v in node.value:
+            key = str(k.value) if isinstance(k, yaml.ScalarNode) else "?"
+            if key in seen:
+                message = (f"duplicate key: already set on line {seen[key]}; YAML would keep only the last "
+                           "value, so remove one of them")
+                found.append((".".join((*path, key)) + f" (line {k.start_mark.line + 1})", message))
+            else:
+                seen[key] = k.start_mark.line + 1
+            found += _duplicate_keys(v, (*path, key))
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            found += _duplicate_keys(item, (*path[:-1], f"{path[-1]}[{i}]") if path else (f"[{i}]",))
+    return found
+
+
+def _parse(path: str | os.PathLike[str]) -> _Loaded:
+    """Read a YAML file: data, node tree for line numbers; duplicate keys are errors."""
     p = Path(path).expanduser()
     if not p.is_file():
         raise ConfigError(p, None, [("", f"file not found (looked for {p.resolve()})")])
     text = p.read_text(encoding="utf-8")
     try:
-        data = yaml.safe_load(text)
         root = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         raise ConfigError(
             p, None, [("", f"not valid YAML: {where}{getattr(exc, 'problem', None) or exc}")]
         ) from None
-    loaded = _Loaded(p.resolve(), data, root)
+    dupes = _duplicate_keys(root)
+    if dupes:
+        raise ConfigError(p, None, dupes)
+    return _Loaded(p.resolve(), data, root)
+
+
+def _read(path: str | os.PathLike[str]) -> _Loaded:
+    loaded = _parse(path)
+    data, p = loaded.data, loaded.path
     if not isinstance(data, Mapping):
         raise ConfigError(p, None, [("", f"expected a mapping with 'pipelines', got {_describe(data)}")])
     try:
@@ -617,37 +766,53 @@ def _read(path: str | os.PathLike[str]) -> _Loaded:
     return loaded
 
 
-def _validate(loaded: _Loaded, name: str, data: Any, variant: str) -> PipelineConfig:
+def _task_problems(name: str, params: Mapping[str, Any]) -> list[tuple[tuple[str | int, ...], str]]:
+    """Problems with ``task.name`` / ``task.params`` by the task's own parameter schema."""
+    from vpo.tasks import available_tasks, check_task_params
+
+    if name not in available_tasks():
+        return [(("task", "name"), f"unknown task {name!r}; tasks: {', '.join(available_tasks())}")]
+    return [(("task", "params", *loc), msg) for loc, msg in check_task_params(name, params)]
+
+
+def _validate(loaded: _Loaded, name: str, data: Any, variant: str, *, line_prefix: Sequence[Any] | None = None
+              ) -> PipelineConfig:
+    """Validate one pipeline body. ``variant`` says where its values come from (base, quick,
+    command-line, params) so errors point at the right lines; ``line_prefix`` is the body's key
+    path in the file (default ``pipelines.<name>``)."""
     prefix = f"pipelines.{name}"
+    where = list(line_prefix) if line_prefix is not None else ["pipelines", name]
     if not isinstance(data, Mapping):
-        raise ConfigError(
-            loaded.path, name, [loaded.problem(["pipelines", name], prefix, "expected a mapping")]
-        )
+        raise ConfigError(loaded.path, name, [loaded.problem(where, prefix, "expected a mapping")])
     body = {k: v for k, v in data.items() if k != "quick"}
     if "name" in body and body["name"] != name:
-        raise ConfigError(
-            loaded.path,
-            name,
-            [loaded.problem(["pipelines", name, "name"], f"{prefix}.name", "must match the key")],
-        )
+        raise ConfigError(loaded.path, name, [loaded.problem([*where, "name"], f"{prefix}.name",
+                                                             "must match the key")])
     body["name"] = name
+
+    def located(loc: Sequence[Any], key_text: str, message: str) -> tuple[str, str]:
+        if variant == "base" or variant == "params":
+            return loaded.problem([*where, *loc], key_text, message)
+        if variant == "quick":  # point at the quick: entry when it set this key, else the base key
+            return loaded.problem([*where, "quick", *loc], key_text, message)
+        return (key_text, message)
+
+    label = name if variant == "base" else f"{name} (with its {variant} settings)"
+    problems: list[tuple[str, str]] = []
     try:
         cfg = PipelineConfig.model_validate(body, context={"base_dir": loaded.path.parent})
     except ValidationError as exc:
-        problems = []
-        for e in exc.errors():
-            loc = e["loc"]
-            key_text, message = _loc_to_key(prefix, loc), _format_error(PipelineConfig, e)
-            if variant == "base":
-                problems.append(loaded.problem(["pipelines", name, *loc], key_text, message))
-            elif variant == "quick":  # point at the quick: entry when it set this key, else the base key
-                line_keys = ["pipelines", name, "quick", *loc]
-                problems.append(loaded.problem(line_keys, key_text, message))
-            else:
-                problems.append((key_text, message))
-        label = name if variant == "base" else f"{name} (with its {variant} overrides)"
-        raise ConfigError(loaded.path, label, problems) from None
+        problems = [located(e["loc"], _loc_to_key(prefix, e["loc"]), _format_error(PipelineConfig, e))
+                    for e in exc.errors()]
+    task = body.get("task")
+    if isinstance(task, Mapping) and isinstance(task.get("name"), str) and isinstance(task.get("params", {}), Mapping):
+        problems += [located(loc, _loc_to_key(prefix, loc), msg)
+                     for loc, msg in _task_problems(task["name"], task.get("params", {}))]
+    if problems:
+        raise ConfigError(loaded.path, label, problems)
     cfg._source_file = loaded.path
+    cfg._loaded = loaded
+    cfg._origin = variant
     return cfg
 
 
@@ -680,18 +845,81 @@ def _variant(
         quick_cfg._quick = True
     chosen = quick_cfg if (quick and quick_cfg is not None) else base
     if overrides:
-        nested: dict[str, Any] = {}
-        current = chosen.model_dump(mode="python", exclude={"name"})
-        try:
-            for key, value in overrides.items():
-                _set_dotted(nested, key, value)
-            merged = deep_merge(current, nested, path=f"pipelines.{name}")
-        except ValueError as exc:
-            raise ConfigError(loaded.path, name, [("", str(exc))]) from None
-        is_quick = chosen.quick
-        chosen = _validate(loaded, name, merged, "command-line")
-        chosen._quick = is_quick
+        chosen = apply_overrides(chosen, overrides)
     return chosen, quick_cfg
+
+
+def apply_overrides(cfg: PipelineConfig, overrides: Mapping[str, Any]) -> PipelineConfig:
+    """``cfg`` with dotted-key overrides (``{"trainer.max_steps": 10, "arms.vpo.num_answers": 3}``)
+    applied and everything validated again; one :class:`ConfigError` names every problem."""
+    if not overrides:
+        return cfg
+    loaded = cfg._loaded
+    if loaded is None:
+        raise ValueError("overrides need a config loaded from a file")
+    nested: dict[str, Any] = {}
+    current = cfg.model_dump(mode="python", exclude={"name"})
+    try:
+        for key, value in overrides.items():
+            _set_dotted(nested, key, value)
+        merged = deep_merge(current, nested, path=f"pipelines.{cfg.name}")
+    except ValueError as exc:
+        raise ConfigError(loaded.path, cfg.name, [("", str(exc))]) from None
+    out = _validate(loaded, cfg.name, merged, "command-line")
+    out._quick = cfg.quick
+    out._cli = (*cfg._cli, *(a for k, v in overrides.items() for a in ("--set", f"{k}={json.dumps(v)}")))
+    return out
+
+
+PARAMS_FILE = "params.yaml"
+"""The generated per-variant settings DVC stages read (``dvc exp run -S <variant>.<key>=<value>``)."""
+
+
+def variant_settings(cfg: PipelineConfig) -> dict[str, Any]:
+    """The entry of one variant in ``params.yaml``: its pipeline name, preset and every setting."""
+    return {"pipeline": cfg.name, "quick": cfg.quick, **cfg.settings()}
+
+
+def settings_digest(settings: Mapping[str, Any]) -> str:
+    """A stable hash of a settings mapping (canonical JSON)."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def load_variant(variant: str, params_path: str | os.PathLike[str] = PARAMS_FILE, *,
+                 config_path: str | os.PathLike[str] | None = None,
+                 overrides: Mapping[str, Any] | None = None) -> PipelineConfig:
+    """Load one variant from the generated ``params.yaml`` (what ``dvc.yaml``'s stages run).
+
+    The file may have been changed by ``dvc exp run -S`` (that is its purpose); it must still have
+    been generated from the current ``pipelines.yaml`` (``config_path``, default: beside it), or
+    editing ``pipelines.yaml`` without regenerating would silently run the old settings: then one
+    :class:`ConfigError` says to regenerate.
+    """
+    loaded = _parse(params_path)
+    data = loaded.data
+    if not isinstance(data, Mapping) or variant not in data or not isinstance(data[variant], Mapping):
+        names = [k for k, v in data.items() if isinstance(v, Mapping) and "pipeline" in v] if isinstance(
+            data, Mapping) else []
+        message = f"no variant named {variant!r} in this file; variants: {', '.join(names) or 'none'}"
+        raise ConfigError(loaded.path, None, [(variant, message)])
+    entry = dict(data[variant])
+    name, quick = entry.pop("pipeline", None), entry.pop("quick", False)
+    if not isinstance(name, str) or not isinstance(quick, bool):
+        raise ConfigError(loaded.path, variant, [loaded.problem([variant], variant,
+                                                                "needs 'pipeline' (a name) and 'quick' (true/false)")])
+    source = Path(config_path) if config_path is not None else loaded.path.parent / DEFAULT_PATH
+    generated = (data.get("generated_from") or {}).get(variant)
+    current = variant_settings(load_pipeline(name, source, quick=quick))
+    if generated != settings_digest(current):
+        raise ConfigError(loaded.path, variant, [("generated_from", (
+            f"{loaded.path.name} was generated from another version of {source.name}'s pipeline {name!r}; "
+            f"regenerate it (and dvc.yaml) with `vpo dvc` so DVC stages run what {source.name} says"))])
+    cfg = _validate(loaded, name, entry, "params", line_prefix=[variant])
+    cfg._quick = quick
+    cfg._cli = ("--params", str(loaded.path), "--variant", variant, "--config", str(source.resolve()))
+    return apply_overrides(cfg, overrides) if overrides else cfg
 
 
 def pipeline_names(path: str | os.PathLike[str] = DEFAULT_PATH) -> list[str]:
@@ -732,8 +960,9 @@ def load_pipeline(
             name,
             [(f"pipelines.{name}.quick", "quick=True but the pipeline has no 'quick:' section")],
         )
-    chosen, _ = _variant(loaded, name, quick=quick, overrides=overrides)
-    return chosen
+    chosen, _ = _variant(loaded, name, quick=quick, overrides=None)
+    chosen._cli = ("--config", str(loaded.path), "--pipeline", name, *(("--quick",) if quick else ()))
+    return apply_overrides(chosen, overrides) if overrides else chosen
 
 
 def load_all(

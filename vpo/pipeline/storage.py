@@ -45,11 +45,13 @@ __all__ = [
     "atomic_write_json",
     "atomic_write_text",
     "configure_dvc_remote",
+    "current_umask",
     "get_filesystem",
     "install_redaction",
     "is_s3_url",
     "redact",
     "remove_stale_temps",
+    "remove_temps_in",
     "s3_storage_options",
     "scan_for_secrets",
     "secret_values",
@@ -312,12 +314,28 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+def current_umask() -> int:
+    """The process umask (read without changing it where /proc allows, so threads never see 0)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, fsync: bool = True) -> Path:
-    """Write ``data`` to ``path`` via a temp sibling + ``os.replace``: readers see old or new bytes."""
+    """Write ``data`` to ``path`` via a temp sibling + ``os.replace``: readers see old or new bytes.
+    The file gets the umask's usual mode (``mkstemp`` alone would make it 0600)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~current_umask())
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             if fsync:
@@ -398,6 +416,7 @@ def atomic_dir(path: str | os.PathLike[str], *, overwrite: bool = True, fsync: b
     path = Path(path).absolute()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes 0700; publish with mkdir's usual mode
     try:
         yield tmp
         if fsync:
@@ -424,6 +443,21 @@ def atomic_dir(path: str | os.PathLike[str], *, overwrite: bool = True, fsync: b
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def remove_temps_in(folder: str | os.PathLike[str]) -> list[Path]:
+    """Delete every temp left by a killed writer directly inside ``folder`` (``.NAME.tmp-*`` /
+    ``.NAME.old-*``); call it only while holding the lock of the stage that writes there."""
+    folder = Path(folder)
+    removed: list[Path] = []
+    if not folder.is_dir():
+        return removed
+    for p in folder.iterdir():
+        if p.name.startswith(".") and (".tmp-" in p.name or ".old-" in p.name):
+            with contextlib.suppress(FileNotFoundError):
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+                removed.append(p)
+    return removed
 
 
 def remove_stale_temps(path: str | os.PathLike[str], *, older_than_s: float = 3600.0) -> list[Path]:

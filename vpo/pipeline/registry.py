@@ -35,7 +35,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from vpo.storage import atomic_dir, get_filesystem, is_s3_url, redact, secret_values
+from vpo.pipeline.storage import atomic_dir, get_filesystem, is_s3_url, redact, secret_values
 
 __all__ = [
     "FileRecord",
@@ -111,7 +111,7 @@ class RegistryEntry:
         return data
 
     def summary(self) -> dict[str, Any]:
-        """Flat one-row view for tables (Prefect table artifacts, ``vpo.registry list``)."""
+        """Flat one-row view for tables (Prefect table artifacts, ``vpo registry list``)."""
         return {
             "hash": self.hash[:12],
             "name": self.name,
@@ -554,8 +554,8 @@ def fetch(entry: RegistryEntry, dest: str | os.PathLike[str], *, overwrite: bool
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m vpo.registry {list,show,fetch}``: inspect a registry or fetch a checkpoint."""
-    parser = argparse.ArgumentParser(prog="python -m vpo.registry", description=__doc__.splitlines()[0])
+    """``vpo registry {list,show,fetch}``: inspect a registry or fetch a checkpoint."""
+    parser = argparse.ArgumentParser(prog="vpo registry", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_list = sub.add_parser("list", help="list entries")
     p_list.add_argument("--registry", required=True)

@@ -1,0 +1,240 @@
+"""The ``vpo`` command: the main job, single stages (what dvc.yaml calls), the Prefect UI and cron.
+
+    vpo run [--pipeline P] [--quick] [--set K=V]    every stage in this process, final tables printed
+    vpo stage NAME [--pipeline P] [--quick] [--arm A --seed S] [--force]
+    vpo stage NAME --variant V [--params params.yaml]   the settings of a generated params.yaml (dvc.yaml)
+    vpo flow | ui | serve [--pipeline P] [--quick] [--set K=V]   the Prefect retrain flow
+    vpo dvc [--check]                               regenerate (or check) dvc.yaml and params.yaml
+    vpo registry list|show|...                      the checkpoint registry
+    vpo pipelines                                   the pipelines in pipelines.yaml
+
+A stage runs only when its output does not answer the current settings, code and inputs (it says
+why); ``--force`` runs it anyway. Exit codes: 0 done; 2 bad input (config, data, reward, checkpoint,
+full disk: one ``error:`` line naming the file/row/key and what to do); 3 the run folder is locked by
+another run (see :mod:`vpo.pipeline.locking`); other codes are crashes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["main"]
+
+_ENV_DEFAULTS = {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
+    "PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW": "ignore",
+    "DVC_NO_ANALYTICS": "1",
+    "GX_ANALYTICS_ENABLED": "False",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pipeline", "-p", default=None, help="pipeline name in pipelines.yaml (default: its `default`)")
+    p.add_argument("--config", default="pipelines.yaml", help="path of pipelines.yaml")
+    p.add_argument("--quick", action="store_true", help="apply the pipeline's `quick:` preset (tests, smoke runs)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a setting, e.g. --set trainer.max_steps=10 (value parsed as YAML)")
+    p.add_argument("--variant", default=None,
+                   help="load this variant (e.g. route-quick) from the generated params file instead")
+    p.add_argument("--params", default=None, help="the generated params file (default: params.yaml beside --config)")
+
+
+def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` strings into a mapping (values parsed as YAML); exit 2 on a malformed one."""
+    import yaml
+
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            _fail(f"--set expects KEY=VALUE, got {item!r}")
+        key, value = item.split("=", 1)
+        try:
+            out[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as exc:
+            _fail(f"--set {key.strip()}: value {value!r} is not valid YAML ({exc})")
+    return out
+
+
+def _fail(message: str, code: int = 2) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+def _load(args: argparse.Namespace) -> Any:
+    from pathlib import Path
+
+    from vpo.pipeline.config import PARAMS_FILE, ConfigError, load_pipeline, load_variant
+
+    overrides = parse_overrides(args.set)
+    try:
+        if args.variant:
+            if args.pipeline or args.quick:
+                _fail("--variant names a pipeline and preset already; drop --pipeline/--quick")
+            params = args.params or str(Path(args.config).expanduser().parent / PARAMS_FILE)
+            return load_variant(args.variant, params, config_path=args.config, overrides=overrides)
+        return load_pipeline(args.pipeline, args.config, quick=args.quick, overrides=overrides)
+    except ConfigError as exc:
+        _fail(str(exc))
+
+
+def _parser() -> argparse.ArgumentParser:
+    from vpo.pipeline.graph import STAGES
+
+    ap = argparse.ArgumentParser(prog="vpo", description="Vector Policy Optimization pipeline")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p_run = sub.add_parser("run", help="run every stage of a pipeline in this process (the main job)")
+    _common(p_run)
+    p_run.add_argument("--no-search", action="store_true",
+                       help="skip the search stage (it runs when the pipeline has an enabled `search:`)")
+    p_run.add_argument("--force", action="store_true", help="run every stage even when its output is up to date")
+    stage_help = "\n".join(f"  {s.name:<9} {s.summary}" for s in STAGES)
+    p_stage = sub.add_parser("stage", help="run one stage (what dvc.yaml calls)",
+                             formatter_class=argparse.RawDescriptionHelpFormatter,
+                             description="Run one stage if its output is not up to date.\n\nstages:\n" + stage_help)
+    p_stage.add_argument("name", choices=[s.name for s in STAGES], metavar="NAME", help="the stage (see above)")
+    _common(p_stage)
+    p_stage.add_argument("--arm", default=None, help="train: only this arm")
+    p_stage.add_argument("--seed", type=int, default=None, help="train: only this seed")
+    p_stage.add_argument("--force", action="store_true", help="run even when the output is up to date")
+    for name, helptext in (("flow", "run the Prefect retrain flow"),
+                           ("ui", "start a local Prefect server and run the flow against it"),
+                           ("serve", "serve the retrain flow as a cron deployment")):
+        p = sub.add_parser(name, help=helptext)
+        _common(p)
+        if name == "serve":
+            p.add_argument("--cron", default="0 3 * * *", help="cron schedule (UTC)")
+            p.add_argument("--name", default="nightly", help="deployment name")
+        if name == "ui":
+            p.add_argument("--port", type=int, default=4200)
+            p.add_argument("--keep", action="store_true", help="keep the server running after the flow")
+    p_dvc = sub.add_parser("dvc", help="regenerate dvc.yaml and params.yaml from pipelines.yaml")
+    p_dvc.add_argument("--config", default="pipelines.yaml")
+    p_dvc.add_argument("--check", action="store_true", help="exit 1 when a generated file is stale")
+    p_reg = sub.add_parser("registry", help="the checkpoint registry (list, show, best, fetch, promote, verify)",
+                           add_help=False)
+    p_reg.add_argument("rest", nargs=argparse.REMAINDER)
+    sub.add_parser("pipelines", help="list pipelines").add_argument("--config", default="pipelines.yaml")
+    return ap
+
+
+def _print_tables(cfg: Any, ran_search: bool) -> None:
+    from vpo.pipeline.layout import RunLayout
+
+    layout = RunLayout.of(cfg)
+    print("\n" + layout.eval_table.read_text())
+    if ran_search and layout.search_table.is_file():
+        print(layout.search_table.read_text())
+        print(f"search plot: {layout.search_plot}")
+    print(f"plot: {layout.eval_plot}")
+
+
+def _stage(args: argparse.Namespace, cfg: Any) -> int:
+    from vpo.pipeline.graph import plan
+    from vpo.pipeline.layout import RunLayout
+    from vpo.pipeline.locking import pipeline_lock
+    from vpo.pipeline.runner import run_step
+    from vpo.pipeline.stages.train import CHILD_ENV
+
+    steps = plan(cfg, [args.name])
+    if args.arm is not None or args.seed is not None:
+        if args.name != "train":
+            _fail("--arm/--seed select a run of the train stage only")
+        steps = [s for s in steps if (args.arm is None or s.run.arm.name == args.arm)
+                 and (args.seed is None or s.run.seed == args.seed)]
+        if not steps:
+            _fail(f"no enabled arm {args.arm!r} with seed {args.seed} in pipeline {cfg.name!r}; "
+                  f"arms: {', '.join(a.name for a in cfg.enabled_arms)}")
+    layout = RunLayout.of(cfg)
+    if os.environ.get(CHILD_ENV) and args.name == "train":  # a process started by `accelerate launch`
+        from vpo.pipeline.context import StageContext
+        from vpo.pipeline.stages.train import train
+
+        for step in steps:
+            train(StageContext(cfg, layout, "train", step.run))
+        return 0
+    # one arm run trains beside other arm runs (shared run lock); anything else runs alone
+    arm = steps[0].run.rid if args.name == "train" and len(steps) == 1 else None
+    results = {}
+    with pipeline_lock(layout.root, cfg.variant, arm=arm):
+        for step in steps:
+            results[step.label] = run_step(cfg, step, layout=layout, force=args.force)
+    print(json.dumps({"stage": args.name, "ok": True, "steps": sorted(results)}, default=str))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    for k, v in _ENV_DEFAULTS.items():
+        os.environ.setdefault(k, v)
+    args = _parser().parse_args(argv)
+    if args.cmd == "pipelines":
+        from vpo.pipeline.config import ConfigError, load_all
+
+        try:
+            for name, cfg in load_all(args.config).items():
+                print(f"{name}: {cfg.description.strip()}")
+        except ConfigError as exc:
+            _fail(str(exc))
+        return 0
+    if args.cmd == "registry":
+        from vpo.pipeline.registry import main as registry_main
+
+        return registry_main(args.rest)
+    if args.cmd == "dvc":
+        from vpo.pipeline.dvcgen import main as dvc_main
+
+        return dvc_main(["--config", args.config, *(["--check"] if args.check else [])])
+    cfg = _load(args)
+    from vpo.pipeline.errors import EXIT_BAD_INPUT, EXIT_LOCKED, StageError
+    from vpo.pipeline.locking import LockBusyError
+    from vpo.pipeline.registry import RegistryError
+    from vpo.pipeline.storage import redact
+    from vpo.pipeline.validation import ValidationError
+    from vpo.rewards import RewardError
+
+    try:
+        if args.cmd == "run":
+            from vpo.pipeline.runner import run_all
+
+            run_all(cfg, search=not args.no_search, force=args.force)
+            _print_tables(cfg, ran_search=not args.no_search)
+            return 0
+        if args.cmd == "stage":
+            return _stage(args, cfg)
+    except LockBusyError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_LOCKED
+    except (StageError, RewardError, RegistryError, ValidationError) as exc:
+        print(f"error: {redact(str(exc))}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except Exception as exc:
+        from vpo.pipeline.config import ConfigError
+
+        if isinstance(exc, ConfigError):  # found when a stage built the task from its parameters
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        raise
+    from flows import retrain as flows
+
+    overrides = parse_overrides(args.set)
+    if args.cmd == "flow":
+        state = flows.retrain(pipeline=cfg.name, quick=cfg.quick, config=args.config, overrides=overrides,
+                              return_state=True)
+        return 1 if state.is_failed() else 0
+    if args.cmd == "ui":
+        flows.run_with_local_server(pipeline=cfg.name, quick=cfg.quick, config=args.config, port=args.port,
+                                    keep=args.keep, overrides=overrides)
+    elif args.cmd == "serve":
+        flows.serve(pipeline=cfg.name, quick=cfg.quick, config=args.config, cron=args.cron, name=args.name,
+                    overrides=overrides)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,205 @@
+"""Stage ``evaluate``: best@k, pass@k, E_w[best@k] and diversity of the base model and every arm run.
+
+Each policy samples a fair pool per held-out problem (an m-answer policy ceil(n/m) rollouts,
+:mod:`vpo.evaluate`); metrics are aggregated over seeds per arm (mean, std, min, max), with the
+number of runs that collapsed to one strategy (reward diversity under a tenth of the base's) and,
+for tasks that can compute it, the prompt-only oracle. Writes ``eval/metrics.json`` (everything),
+``curves.json`` (for ``dvc plots``), ``table.md``, ``best_at_k.png`` and the reward vectors of every
+policy (``vectors/<run>.npy``, read by the search stage).
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from vpo.pipeline.checkpoints import check_model_dir
+from vpo.pipeline.config import PipelineConfig
+from vpo.pipeline.console import log
+from vpo.pipeline.context import StageContext
+from vpo.pipeline.inputs import load_rows, stage_command
+from vpo.pipeline.layout import RunLayout, arm_runs
+from vpo.pipeline.storage import atomic_dir, atomic_write_bytes, atomic_write_json, atomic_write_text
+
+__all__ = ["policies", "run"]
+
+
+def policies(cfg: PipelineConfig, layout: RunLayout) -> list[tuple[str, str, int, Path, int]]:
+    """(run id, arm name, m, model folder, token limit) for the base (in each answer format the arms
+    use) and every arm run."""
+    out = []
+    for m in sorted({a.num_answers for a in cfg.enabled_arms}):
+        limit = max(a.completion_length(cfg.trainer) for a in cfg.enabled_arms if a.num_answers == m)
+        out.append((f"base-m{m}", f"base-m{m}", m, layout.base, limit))
+    for r in arm_runs(cfg):
+        out.append((r.rid, r.arm.name, r.arm.num_answers, layout.arm_model(r.rid), r.arm.completion_length(cfg.trainer)))
+    return out
+
+
+def _aggregate(per_run: Mapping[str, Mapping[str, Any]], groups: Mapping[str, list[str]],
+               collapse_threshold: float) -> dict[str, Any]:
+    """Mean, std and min/max over seeds for every metric curve; how many runs collapsed."""
+    agg: dict[str, Any] = {}
+    for arm, rids in groups.items():
+        runs = [per_run[r] for r in rids]
+        entry: dict[str, Any] = {"runs": rids}
+        for key in ("best_at_k", "pass_at_k", "expected_weighted_best_at_k"):
+            ks = runs[0][key].keys()
+            entry[key] = {k: {"mean": float(np.mean([r[key][k] for r in runs])),
+                              "std": float(np.std([r[key][k] for r in runs])),
+                              "min": float(np.min([r[key][k] for r in runs])),
+                              "max": float(np.max([r[key][k] for r in runs]))} for k in ks}
+        for key in ("reward_diversity", "first_answer_mean", "parse_rate", "distinct_vectors_per_problem"):
+            vals = [r[key] for r in runs]
+            entry[key] = {"mean": float(np.mean(vals)), "std": float(np.std(vals))}
+        entry["collapsed_runs"] = int(sum(r["reward_diversity"] < collapse_threshold for r in runs))
+        agg[arm] = entry
+    return agg
+
+
+def _table(agg: Mapping[str, Any], ks: Sequence[int]) -> str:
+    head = "| arm | runs | " + " | ".join(f"best@{k}" for k in ks) + " | " + " | ".join(
+        f"E_w best@{k}" for k in ks) + " | pass@" + str(ks[-1]) + " | diversity | first answer | collapsed |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for arm, e in agg.items():
+        def cell(key: str, k: int, e: Mapping[str, Any] = e) -> str:
+            v = e[key].get(str(k))
+            return "n/a" if v is None else f"{v['mean']:.3f} ± {v['std']:.3f}"
+
+        lines.append(
+            f"| {arm} | {len(e['runs'])} | " + " | ".join(cell("best_at_k", k) for k in ks) + " | "
+            + " | ".join(cell("expected_weighted_best_at_k", k) for k in ks) + " | " + cell("pass_at_k", ks[-1])
+            + f" | {e['reward_diversity']['mean']:.3f} ± {e['reward_diversity']['std']:.3f}"
+            f" | {e['first_answer_mean']['mean']:.3f} | "
+            f"{e['collapsed_runs']}/{len(e['runs'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def _oracle(task: Any, rows: Sequence[Mapping[str, Any]], ks: Sequence[int]) -> dict[str, Any] | None:
+    """Reference ceilings on the mean scalar for tasks that can compute them (route): the
+    prompt-only greedy best-of-k (what k answers chosen without the hidden information can reach)
+    and the full-information best. None for tasks without oracles."""
+    curve_fn = getattr(task, "hedge_curve", None)
+    if curve_fn is None or not rows or not ks:
+        return None
+    curves = np.array([curve_fn(r, max(ks)) for r in rows])
+    return {"prompt_only_best_at_k": {str(k): float(curves[:, k - 1].mean()) for k in ks},
+            "full_information": float(np.mean([task.best_scalar(r) for r in rows]))}
+
+
+def _oracle_line(oracle: Mapping[str, Any] | None, ks: Sequence[int]) -> str:
+    if not oracle:
+        return ""
+    pts = ", ".join(f"best@{k} {oracle['prompt_only_best_at_k'][str(k)]:.3f}" for k in ks)
+    return (f"\nOracle (mean scalar; answers chosen from the prompt alone, greedy): {pts}; "
+            f"best single route knowing the hidden lava: {oracle['full_information']:.3f}.\n")
+
+
+def _plot(agg: Mapping[str, Any], ks: Sequence[int], path: Path, title: str,
+          oracle: Mapping[str, Any] | None = None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    for ax, key, label in zip(axes, ("best_at_k", "expected_weighted_best_at_k", "pass_at_k"),
+                              ("best@k (mean scalar w*)", "E_w[best@k], w ~ Dir(1)", "pass@k")):
+        for arm, e in agg.items():
+            xs = [k for k in ks if str(k) in e[key]]
+            ys = np.array([e[key][str(k)]["mean"] for k in xs])
+            lo = np.array([e[key][str(k)]["min"] for k in xs])
+            hi = np.array([e[key][str(k)]["max"] for k in xs])
+            style = "--" if arm.startswith("base") else "-"
+            (line,) = ax.plot(xs, ys, style, marker="o", label=f"{arm} (n={len(e['runs'])})")
+            if len(e["runs"]) > 1:
+                ax.fill_between(xs, lo, hi, alpha=0.15, color=line.get_color())
+        if oracle and key == "best_at_k":
+            ax.plot(list(ks), [oracle["prompt_only_best_at_k"][str(k)] for k in ks], ":", color="0.4",
+                    label="oracle, prompt only")
+        ax.set_xscale("log")
+        ax.set_xticks(list(ks))
+        ax.set_xticklabels([str(k) for k in ks])
+        ax.set_xlabel("k (candidates)")
+        ax.set_title(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title + "  (line: mean over seeds, band: min-max)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)  # inside the stage's temp folder: published with it
+    plt.close(fig)
+
+
+def _summary(agg: Mapping[str, Any], ks: Sequence[int]) -> dict[str, Any]:
+    """A few numbers per trained arm (mean over seeds) for `dvc metrics show` / `dvc exp show`:
+    best@1 and best@k at the largest k, and reward diversity."""
+    k = ks[-1]
+    return {arm: {"best@1": round(e["best_at_k"]["1"]["mean"], 4) if "1" in e["best_at_k"] else None,
+                  f"best@{k}": round(e["best_at_k"][str(k)]["mean"], 4),
+                  "diversity": round(e["reward_diversity"]["mean"], 4)}
+            for arm, e in agg.items() if not arm.startswith("base")}
+
+
+def _save_npy(path: Path, array: np.ndarray) -> None:
+    """``np.save`` through temp + rename (np.save itself writes in place)."""
+    buf = io.BytesIO()
+    np.save(buf, array, allow_pickle=False)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def run(ctx: StageContext) -> dict[str, Any]:
+    """Sample, score and aggregate every policy; write ``eval/``."""
+    from tqdm.auto import tqdm
+
+    from vpo.evaluate import evaluate_policy
+
+    cfg, layout, task = ctx.cfg, ctx.layout, ctx.task
+    ev = cfg.evaluation
+    rows = load_rows(cfg, ev.split, layout)
+    if ev.max_problems:
+        rows = rows[: ev.max_problems]
+    per_run: dict[str, Any] = {}
+    groups: dict[str, list[str]] = {}
+    todo = policies(cfg, layout)
+    for rid, _, _, model_dir, _ in todo:  # every input checked before hours of sampling start
+        fix = (f"rebuild it with `{stage_command(cfg, 'base')}`" if rid.startswith("base")
+               else f"retrain it with `{stage_command(cfg, 'train', rid)}`")
+        check_model_dir(model_dir, f"policy {rid}", fix)
+    with atomic_dir(layout.eval) as tmp:  # the old eval/ stays whole until every file of the new one is written
+        (tmp / "vectors").mkdir()
+        for rid, arm, m, model_dir, limit in tqdm(todo, desc="evaluate", unit="policy", disable=not ctx.progress):
+            t0 = time.time()
+            res, vectors = evaluate_policy(task, str(model_dir), rows, m=m, n_samples=ev.n_samples, ks=ev.k,
+                                           temperature=ev.temperature, max_new_tokens=limit, seed=ev.seed,
+                                           num_weights=ev.num_weights)
+            res["seconds"] = round(time.time() - t0, 1)
+            _save_npy(tmp / "vectors" / layout.eval_vectors(rid).name, vectors)
+            per_run[rid] = res
+            groups.setdefault(arm, []).append(rid)
+        # a run "collapsed to one strategy" when its reward-space diversity fell below a tenth of the
+        # base model's (absolute 0.1 without a base evaluation)
+        base_div = [r["reward_diversity"] for rid, r in per_run.items() if rid.startswith("base")]
+        collapse = 0.1 * float(max(base_div)) if base_div else 0.1
+        agg = _aggregate(per_run, groups, collapse_threshold=collapse)
+        ks = [k for k in ev.k if all(str(k) in r["best_at_k"] for r in per_run.values())]
+        oracle = _oracle(task, rows, ks)
+        metrics = {"pipeline": cfg.name, "variant": cfg.variant, "quick": cfg.quick, "n_problems": len(rows),
+                   "n_samples": ev.n_samples, "k": list(ev.k), "collapse_threshold": collapse, "arms": agg,
+                   "runs": per_run, "oracle": oracle}
+        atomic_write_json(tmp / layout.eval_metrics.name, metrics)
+        curves = [{"arm": arm, "k": int(k), "best_at_k": e["best_at_k"][str(k)]["mean"],
+                   "expected_weighted_best_at_k": e["expected_weighted_best_at_k"][str(k)]["mean"],
+                   "pass_at_k": e["pass_at_k"][str(k)]["mean"]} for arm, e in agg.items() for k in ks]
+        atomic_write_json(tmp / layout.eval_curves.name, curves)
+        atomic_write_json(tmp / layout.eval_summary.name, _summary(agg, ks))
+        table = _table(agg, ks) + _oracle_line(oracle, ks)
+        atomic_write_text(tmp / layout.eval_table.name, table)
+        _plot(agg, ks, tmp / layout.eval_plot.name, f"{cfg.variant}: held-out {ev.split}, {len(rows)} problems",
+              oracle)
+    log("evaluate: table\n" + table)
+    return {"n_problems": len(rows), "arms": {a: {"runs": e["runs"]} for a, e in agg.items()}}

@@ -1,0 +1,161 @@
+"""Stage ``search``: evolutionary search with each arm's first-seed checkpoint on held-out problems.
+
+The problems no arm solves at best@k_max in the evaluation (the hardest subset) come first, then the
+next hardest by mean best@k_max, up to ``search.n_problems``. Every arm gets the same budget of
+answer slots per problem (an m-answer policy spends m per call) and, with ``search.baseline``, a
+best-of-k run with the same budget. Resumable: ``search/checkpoints/`` holds the interrupted search
+of this very request (other settings or checkpoints start fresh) and is deleted once it finished.
+With ``search.method: openevolve`` each checkpoint is served by vLLM and searched by OpenEvolve.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from vpo.pipeline.config import PipelineConfig
+from vpo.pipeline.console import log
+from vpo.pipeline.context import StageContext
+from vpo.pipeline.errors import StageError
+from vpo.pipeline.inputs import load_rows, read_json, read_npy, stage_command
+from vpo.pipeline.layout import RunLayout, arm_runs
+from vpo.pipeline.state import read_state, why_stale, write_state
+from vpo.pipeline.storage import atomic_write_json, atomic_write_text
+
+__all__ = ["run", "search_table"]
+
+
+def _fresh_checkpoints(ctx: StageContext, ck_dir: Path) -> None:
+    """Resume only a search of this very request; anything else starts fresh (saying why)."""
+    fp = ctx.fingerprint
+    request = ck_dir / "request.json"
+    if ck_dir.is_dir() and fp is not None:
+        reason = why_stale(read_state(request), fp, ck_dir, output_exists=True)
+        if reason is not None:
+            log(f"search: checkpoints in {ck_dir} belong to another request ({reason}); starting fresh")
+            shutil.rmtree(ck_dir)
+    ck_dir.mkdir(parents=True, exist_ok=True)
+    if fp is not None:
+        write_state(request, fp, "", {})
+
+
+def run(ctx: StageContext) -> dict[str, Any]:
+    """Select the problems, search them with every arm (and best-of-k), write ``search/``."""
+    from vpo.evaluate import scalarise
+    from vpo.metrics import pool_best_at_k
+    from vpo.search import ModelProposer, hardest_subset, run_arms
+
+    cfg, layout, task = ctx.cfg, ctx.layout, ctx.task
+    sc = cfg.search
+    if sc is None or not sc.enabled:
+        log("search: disabled in the pipeline config")
+        return {"enabled": False}
+    if sc.method == "openevolve" and importlib.util.find_spec("openevolve") is None:
+        raise StageError(f"pipeline {cfg.name!r}: search.method is openevolve but the openevolve package is not "
+                         "installed (pip install 'vpo[openevolve]')")
+    fix = f"rebuild it with `{stage_command(cfg, 'evaluate')}`"
+    ev = read_json(layout.eval_metrics, fix)
+    k_max = max(int(k) for k in ev["k"] if all(str(k) in r["best_at_k"] for r in ev["runs"].values()))
+    rows = load_rows(cfg, cfg.evaluation.split, layout)
+    if cfg.evaluation.max_problems:
+        rows = rows[: cfg.evaluation.max_problems]
+    w_star = np.asarray(task.reward.w_star())
+    # "solved" = reaching the problem's best achievable scalar (route: 0.75), as the search counts it
+    oracle = getattr(task, "best_scalar", None)
+    target = {str(r["id"]): float(oracle(r)) if callable(oracle) else 1.0 for r in rows}
+    per_arm: dict[str, dict[str, float]] = {}
+    for rid in ev["runs"]:
+        if rid.startswith("base"):
+            continue
+        scal = scalarise(read_npy(layout.eval_vectors(rid), fix), w_star)
+        best = pool_best_at_k(scal, min(k_max, scal.shape[1] * scal.shape[2]))
+        per_arm[rid] = {str(r["id"]): float(b) / target[str(r["id"])] for r, b in zip(rows, np.atleast_1d(best))}
+    # the named "hardest" subset: no arm reaches the best achievable score at best@k_max (hardest first);
+    # the search takes it first, then the next hardest by mean best@k_max, up to n_problems
+    hard = hardest_subset(per_arm, k=k_max, threshold=1.0 - 1e-6) if per_arm else []
+    mean_best = {pid: float(np.mean([v[pid] for v in per_arm.values()])) for pid in target}
+    rest = sorted((pid for pid in target if pid not in set(hard)), key=lambda p: (mean_best[p], p))
+    by_id = {str(r["id"]): r for r in rows}
+    selected = [by_id[pid] for pid in (hard + rest)[: sc.n_problems]]
+    out = layout.search
+    ctx.invalidate_record()  # search/ is rewritten file by file from here on
+    if sc.method == "openevolve":
+        return _search_openevolve(cfg, layout, task, selected, out)
+    proposers = {}
+    for r in arm_runs(cfg):
+        if r.seed == r.arm.seeds[0]:
+            proposers[r.arm.name] = ModelProposer(str(layout.arm_model(r.rid)),
+                                                  max_new_tokens=r.arm.completion_length(cfg.trainer))
+    m_of = {arm.name: arm.num_answers for arm in cfg.enabled_arms}
+    _fresh_checkpoints(ctx, layout.search_checkpoints)
+    result = run_arms(task, selected, proposers, out, iterations=sc.iterations, m=m_of, budget=sc.budget,
+                      seed=cfg.seed, baseline=sc.baseline, prompt_mode=sc.prompt_mode,
+                      checkpoint_every=sc.checkpoint_every, stop_when_solved=sc.stop_when_solved,
+                      db_options=sc.database.model_dump(),
+                      title=f"{cfg.variant}: search on {len(selected)} held-out problems ({len(hard)} hardest first)")
+    info = {"problems": [str(r["id"]) for r in selected], "hardest_subset": hard, "k_max": k_max}
+    atomic_write_json(out / "selection.json", info)
+    table = search_table(result["curves"], result["comparison"], hard, k_max)
+    atomic_write_text(layout.search_table, table)
+    log("search: table\n" + table)
+    return {**info, "solved": {arm: c["final_solved"] for arm, c in result["curves"].items()}}
+
+
+def search_table(curves: Mapping[str, Any], comparison: Mapping[str, Any], hard: Sequence[str], k_max: int) -> str:
+    """Markdown: problems solved and mean best score per search arm at the full budget (overall and
+    on the hardest subset), then, per pair of arms, the problems one solves and the other does not."""
+    n = next(iter(curves.values()))["n_problems"]
+    hard_set = set(hard)
+    caption = (f"Search on {n} held-out problems, hardest first; the hardest subset is the {len(hard)} problems "
+               f"no arm solves at best@{k_max}. Equal budget of answer slots per problem and arm (an m-answer "
+               f"policy spends m per call); candidates used = distinct parseable answers scored; solved = the "
+               f"problem's best achievable score reached.")
+    lines = [caption, "",
+             f"| arm | solved | solved of the hardest {len(hard)} | mean best score | candidates used |",
+             "|---|---|---|---|---|"]
+    for arm, c in curves.items():
+        on_hard = len(hard_set & set(c["solved_ids"]))
+        lines.append(f"| {arm} | {c['final_solved']}/{c['n_problems']} | {on_hard} | {c['final_mean_best']:.3f} | "
+                     f"{c['candidates_used']} |")
+    lines += ["", "| pair (a vs b) | solved by a only | by b only | both | neither |", "|---|---|---|---|---|"]
+    for pair, d in comparison.items():
+        lines.append(f"| {pair} | {d['n_a_only']} | {d['n_b_only']} | {d['n_both']} | {d['n_neither']} |")
+    return "\n".join(lines) + "\n"
+
+
+def _search_openevolve(cfg: PipelineConfig, layout: RunLayout, task: Any, rows: list[dict[str, Any]], out: Path
+                       ) -> dict[str, Any]:
+    """OpenEvolve on each selected problem with each arm's first-seed checkpoint: the checkpoint is
+    served by vLLM's OpenAI-compatible server (``search.server_url`` host/port), one arm at a time."""
+    from urllib.parse import urlparse
+
+    from vpo.search.openevolve_bridge import VLLMServer, run_openevolve
+
+    sc = cfg.search
+    assert sc is not None
+    url = urlparse(sc.server_url or "http://127.0.0.1:8000/v1")
+    summary: dict[str, dict[str, Any]] = {}
+    for r in arm_runs(cfg):
+        if r.seed != r.arm.seeds[0]:
+            continue
+        arm = r.arm
+        arm_out = out / "openevolve" / arm.name
+        arm_out.mkdir(parents=True, exist_ok=True)
+        with VLLMServer(layout.arm_model(r.rid), host=url.hostname or "127.0.0.1",
+                        port=url.port or 8000, seed=cfg.seed, log_path=arm_out / "vllm.log") as srv:
+            per = {str(r["id"]): run_openevolve(r, task, api_base=srv.base_url, model=srv.model,
+                                                out_dir=arm_out / str(r["id"]), iterations=sc.iterations,
+                                                seed=cfg.seed, task_name=cfg.task.name,
+                                                task_params=cfg.task.params)
+                   for r in rows}
+        summary[arm.name] = {pid: {"solved": bool(v["solved"]), "best_score": float(v["best_score"])}
+                             for pid, v in per.items()}
+        log(f"search[openevolve] {arm.name}: solved {sum(v['solved'] for v in summary[arm.name].values())}"
+             f"/{len(rows)}")
+    atomic_write_json(out / "openevolve.json", summary)
+    return {"method": "openevolve", "arms": summary}

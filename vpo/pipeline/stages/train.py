@@ -1,0 +1,273 @@
+"""Stage ``train``: one arm run (estimator x seed) trained from the base model with :class:`VPOTrainer`.
+
+The settings reach :class:`VPOConfig` through the one mapping in :mod:`vpo.pipeline.settings`.
+Resumable: checkpoints every ``trainer.save_steps`` under ``arms/<run>/trainer/``; a rerun of the same
+request resumes from the newest intact one ("resuming from checkpoint-N"), skipping damaged ones.
+Checkpoints made for another request (other settings, code or inputs) are deleted first, with the
+reason, so a run never continues another estimator's or learning rate's weights. A run whose newest
+checkpoint is already at ``max_steps`` (killed while saving its final model) publishes that
+checkpoint's weights instead of training further. The final model folder is swapped in atomically;
+the checkpoints are deleted once the run's record is written (:mod:`vpo.pipeline.runner`).
+
+With ``trainer.accelerate_config`` the stage runs itself again under ``accelerate launch`` (multi-GPU);
+the launched processes train and rank 0 writes the outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+
+from vpo.pipeline.checkpoints import check_model_dir, checkpoint_step, latest_checkpoint
+from vpo.pipeline.console import log
+from vpo.pipeline.context import StageContext
+from vpo.pipeline.errors import StageError
+from vpo.pipeline.inputs import load_rows, stage_command
+from vpo.pipeline.settings import check_hardware, vpo_config_kwargs
+from vpo.pipeline.state import read_state, why_stale, write_state
+from vpo.pipeline.storage import atomic_dir, atomic_write_json
+from vpo.rewards import VectorReward
+from vpo.tasks import Task
+
+__all__ = ["CHILD_ENV", "ProgressFileCallback", "run"]
+
+CHILD_ENV = "VPO_TRAIN_LAUNCHED"
+"""Set in processes started by ``accelerate launch`` for this stage: they train, nothing else."""
+
+REQUEST_FILE = "request.json"
+
+
+class ProgressFileCallback(TrainerCallback):
+    """Writes ``{"step", "max_steps", "last"}`` to a JSON file at every log: the orchestrator
+    (a separate process) reads it to publish progress artifacts."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.history: list[dict[str, Any]] = []
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Mapping[str, Any] | None = None, **kw: Any) -> None:
+        if not state.is_world_process_zero:
+            return
+        if logs:
+            self.history.append({"step": state.global_step, **{k: v for k, v in logs.items()
+                                                               if isinstance(v, (int, float))}})
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"step": state.global_step, "max_steps": state.max_steps,
+                                   "last": self.history[-1] if self.history else {}}))
+        os.replace(tmp, self.path)
+
+
+def _dataset(task: Task, rows: Sequence[Mapping[str, Any]], m: int) -> Any:
+    from datasets import Dataset
+
+    records = []
+    for r in rows:
+        rec = {k: (json.dumps(v) if isinstance(v, (dict, list)) and k != "prompt" else v) for k, v in r.items()}
+        rec["prompt"] = task.format_prompt(r, m)
+        records.append(rec)
+    return Dataset.from_list(records)
+
+
+def _decode_row(row: Mapping[str, Any]) -> dict[str, Any]:
+    out = {}
+    for k, v in row.items():
+        if isinstance(v, str) and k != "prompt" and v[:1] in "[{":
+            try:
+                out[k] = json.loads(v)
+                continue
+            except json.JSONDecodeError:
+                pass
+        out[k] = v
+    return out
+
+
+class RowDecodingReward(VectorReward):
+    """Delegates to a task reward after decoding JSON-encoded nested row fields (HF datasets
+    stores ragged nested lists poorly, so the training dataset carries them as JSON strings)."""
+
+    def __init__(self, inner: VectorReward) -> None:
+        self._inner = inner
+        self.names = inner.names
+        self.answer_tag = inner.answer_tag
+
+    def w_star(self) -> Any:
+        return self._inner.w_star()
+
+    def score(self, answers: Sequence[str], row: Mapping[str, Any]) -> Any:
+        return self._inner.score(answers, _decode_row(row))
+
+    def present(self, row: Mapping[str, Any]) -> Any:
+        return self._inner.present(_decode_row(row))
+
+    def parse(self, completion: str, m: int) -> list[str]:
+        return self._inner.parse(completion, m)
+
+    def prefetch(self, completions: Sequence[str], rows: Sequence[Mapping[str, Any]], m: int) -> None:
+        if hasattr(self._inner, "prefetch"):
+            self._inner.prefetch(completions, [_decode_row(r) for r in rows], m)
+
+    def dedup_key(self, answer: str) -> Any:
+        return self._inner.dedup_key(answer)
+
+
+def _check_prompt_lengths(ctx: StageContext, tok: Any, dataset: Any) -> None:
+    """Every prompt within ``trainer.max_prompt_length`` tokens (TRL 1.16 would not cut it)."""
+    limit = ctx.cfg.trainer.max_prompt_length
+    if limit is None:
+        return
+    for row in dataset:
+        n = len(tok(str(row["prompt"]))["input_ids"])
+        if n > limit:
+            raise StageError(f"train row id {row.get('id')!r}: its prompt is {n} tokens, longer than "
+                             f"trainer.max_prompt_length ({limit}); raise the limit or shorten the prompts")
+
+
+def _fresh_checkpoints(ctx: StageContext, trainer_dir: Path) -> None:
+    """Delete checkpoints made for another request (saying why), then record this request."""
+    fp = ctx.fingerprint
+    if fp is None:
+        return
+    request = trainer_dir / REQUEST_FILE
+    if trainer_dir.is_dir() and any(trainer_dir.iterdir()):
+        reason = why_stale(read_state(request), fp, trainer_dir, output_exists=True)
+        if reason is not None:
+            log(f"{ctx.arm_run.rid}: checkpoints in {trainer_dir} were made for another request ({reason}); "
+                "deleting them and starting from step 0")
+            shutil.rmtree(trainer_dir)
+    write_state(request, fp, "", {})
+
+
+def _summary(ctx: StageContext, log_history: Sequence[Mapping[str, Any]], seconds: float,
+             resumed_from: str | None) -> dict[str, Any]:
+    arm, run = ctx.arm_run.arm, ctx.arm_run
+    logs = [rec for rec in log_history if "loss" in rec]
+    tail = logs[-max(1, len(logs) // 4):]
+    keys = sorted({k for rec in tail for k in rec if k.startswith(("vpo/", "reward", "entropy", "loss"))})
+    return {
+        "estimator": arm.estimator, "num_answers": arm.num_answers, "num_generations": arm.rollouts_per_prompt,
+        "seed": run.seed, "max_steps": ctx.cfg.trainer.max_steps, "train_seconds": round(seconds, 1),
+        "resumed_from": resumed_from,
+        "final": {k: float(sum(r[k] for r in tail if r.get(k) is not None) / max(1, sum(r.get(k) is not None
+                                                                                       for r in tail)))
+                  for k in keys},
+    }
+
+
+def _publish(ctx: StageContext, save_model: Any, tok: Any, log_history: Sequence[Mapping[str, Any]],
+             seconds: float, resumed_from: str | None) -> dict[str, Any]:
+    """Final model (atomic folder swap), history.json, then metrics.json."""
+    layout, rid = ctx.layout, ctx.arm_run.rid
+    ctx.invalidate_record()  # the run folder is rewritten file by file from here on
+    try:
+        with atomic_dir(layout.arm_model(rid)) as tmp:
+            save_model(str(tmp))
+            tok.save_pretrained(str(tmp))
+    except OSError as exc:
+        raise StageError(f"could not write the final model of {rid} to {layout.arm_model(rid)} ({exc}); is the "
+                         f"disk full? Free space and run `{stage_command(ctx.cfg, 'train', rid)}` again: it "
+                         "resumes from the last checkpoint") from None
+    summary = _summary(ctx, log_history, seconds, resumed_from)
+    # the whole run's log (restored from the checkpoint on resume), not only this process's part
+    history = [{"step": rec.get("step"), **{k: v for k, v in rec.items() if isinstance(v, (int, float))
+                                              and not isinstance(v, bool)}}
+               for rec in log_history]
+    atomic_write_json(layout.arm_history(rid), history)
+    atomic_write_json(layout.arm_metrics(rid), summary)
+    return summary
+
+
+def _publish_checkpoint(ctx: StageContext, checkpoint: Path) -> dict[str, Any]:
+    """The run already reached max_steps in ``checkpoint`` (it was killed while saving its final
+    model): publish that checkpoint's weights, train no further."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerState
+
+    log(f"{ctx.arm_run.rid}: {checkpoint.name} is at the requested {ctx.cfg.trainer.max_steps} steps; "
+        "publishing its weights without further training")
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint))
+    tok = AutoTokenizer.from_pretrained(str(ctx.layout.base))
+    state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
+    return _publish(ctx, model.save_pretrained, tok, state.log_history, 0.0, checkpoint.name)
+
+
+def train(ctx: StageContext) -> dict[str, Any]:
+    """Train the context's arm run (resuming when possible) and publish its outputs."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vpo.trainer import VPOConfig, VPOTrainer
+
+    cfg, layout, run = ctx.cfg, ctx.layout, ctx.arm_run
+    rid = run.rid
+    out = layout.arm(rid)
+    trainer_dir = layout.arm_trainer(rid)
+    out.mkdir(parents=True, exist_ok=True)
+    if os.environ.get(CHILD_ENV) is None:
+        _fresh_checkpoints(ctx, trainer_dir)
+    resume = latest_checkpoint(trainer_dir)
+    if resume is not None and (checkpoint_step(resume) or 0) >= cfg.trainer.max_steps:
+        return _publish_checkpoint(ctx, resume)
+    cuda = torch.cuda.is_available()
+    args = VPOConfig(**vpo_config_kwargs(cfg, run, trainer_dir, cuda=cuda, progress=ctx.progress))
+    tok = AutoTokenizer.from_pretrained(str(layout.base))
+    model = AutoModelForCausalLM.from_pretrained(str(layout.base))
+    callbacks: list[Any] = [ProgressFileCallback(layout.arm_progress(rid))]
+    if "dvclive" in cfg.trainer.report_to:
+        from dvclive import Live
+        from transformers.integrations import DVCLiveCallback
+
+        callbacks.append(DVCLiveCallback(live=Live(dir=str(layout.arm_live(rid)), save_dvc_exp=False, dvcyaml=None,
+                                                   report=None)))
+    dataset = _dataset(ctx.task, load_rows(cfg, "train", layout), run.arm.num_answers)
+    _check_prompt_lengths(ctx, tok, dataset)
+    trainer = VPOTrainer(model=model, reward=RowDecodingReward(ctx.task.reward), args=args, train_dataset=dataset,
+                         processing_class=tok, callbacks=callbacks)
+    if resume is not None:
+        log(f"{rid}: resuming from {resume.name} (step {checkpoint_step(resume)} of {cfg.trainer.max_steps})")
+    t0 = time.time()
+    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    elapsed = time.time() - t0
+    if not trainer.is_world_process_zero():
+        return {}
+    return _publish(ctx, trainer.save_model, tok, trainer.state.log_history, elapsed,
+                    resume.name if resume else None)
+
+
+def _launch(ctx: StageContext, argv: Sequence[str]) -> dict[str, Any]:
+    """Run this stage again under ``accelerate launch`` (the launched processes train); return the
+    summary rank 0 wrote."""
+    cfg = ctx.cfg
+    config_file = str(cfg.resolve_path(cfg.trainer.accelerate_config or ""))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config_file,
+           "-m", "vpo.pipeline.cli", *argv]
+    log(f"{ctx.arm_run.rid}: launching `accelerate launch --config_file {cfg.trainer.accelerate_config}`")
+    proc = subprocess.run(cmd, env={**os.environ, CHILD_ENV: "1"}, check=False)
+    if proc.returncode != 0:
+        raise StageError(f"{ctx.arm_run.rid}: `accelerate launch` exited with {proc.returncode} (see its output "
+                         f"above; trainer.accelerate_config = {cfg.trainer.accelerate_config})")
+    return json.loads(ctx.layout.arm_metrics(ctx.arm_run.rid).read_text())
+
+
+def run(ctx: StageContext) -> dict[str, Any]:
+    """Check inputs and hardware, then train (directly or under ``accelerate launch``)."""
+    cfg, layout = ctx.cfg, ctx.layout
+    check_model_dir(layout.base, "base model", f"rebuild it with `{stage_command(cfg, 'base')}`")
+    from transformers import AutoTokenizer
+
+    from vpo.pipeline.stages.base import check_tokenizer
+
+    check_tokenizer(AutoTokenizer.from_pretrained(str(layout.base)), f"base model {layout.base}")
+    check_hardware(cfg)
+    if cfg.trainer.accelerate_config and os.environ.get(CHILD_ENV) is None:
+        _fresh_checkpoints(ctx, layout.arm_trainer(ctx.arm_run.rid))
+        return _launch(ctx, ["stage", "train", *cfg.cli_args(), "--arm", ctx.arm_run.arm.name,
+                             "--seed", str(ctx.arm_run.seed)])
+    return train(ctx)
