@@ -504,3 +504,40 @@ def test_resume_skips_torn_and_truncated_trainer_checkpoints(tmp_path: Path) -> 
         assert problem is not None and problem.startswith(why), (path.name, problem)
     assert latest_checkpoint(tmp_path) == good
     assert latest_checkpoint(tmp_path / "nothing-here") is None
+
+
+# --------------------------------------------------------------------------- corrupt stage outputs
+
+
+@pytest.mark.parametrize(("damage", "stage", "fragments"), [
+    ("data/train.parquet", "rewards",
+     ["data/train.parquet is unreadable", "rebuild it with `vpo stage data --pipeline route --quick`"]),
+    ("arms/grpo_x3-s0/metrics.json", "register",
+     ["arms/grpo_x3-s0/metrics.json is unreadable", "--arm grpo_x3 --seed 0`"]),
+])
+def test_a_truncated_stage_output_is_named_with_its_fix(work: Work, damage: str, stage: str,
+                                                         fragments: list[str]) -> None:
+    """A torn upstream file (a kill or full disk mid-write outside our atomic writes, a bad copy):
+    one error naming the file and the command that rebuilds it, nothing else touched."""
+    work.fake_arms()
+    path = work.run / damage
+    path.write_bytes(path.read_bytes()[: max(1, path.stat().st_size // 2)])
+    before = work.digest()
+    proc = run_vpo(["stage", stage, "--quick", "--config", "pipelines.yaml", "--force"], work.folder, timeout=180)
+    _assert_clean_error(proc, *fragments)
+    assert work.digest() == before
+
+
+def test_a_damaged_arm_model_is_retrained_not_skipped(work: Work) -> None:
+    """A finished arm whose model file was cut short: the train stage sees it through the arm's
+    record (file sizes) and retrains instead of answering "already trained"."""
+    proc = run_vpo(["stage", "train", "--quick", "--config", "pipelines.yaml", "--arm", "grpo", "--seed", "0",
+                    "--set", "trainer.max_steps=1"], work.folder, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    weights = work.run / "arms" / "grpo-s0" / "model" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    proc = run_vpo(["stage", "train", "--quick", "--config", "pipelines.yaml", "--arm", "grpo", "--seed", "0",
+                    "--set", "trainer.max_steps=1"], work.folder, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "[vpo] train@grpo-s0: output file model/model.safetensors changed size" in proc.stdout
+    assert "; retraining" in proc.stdout and weights.stat().st_size > 1000

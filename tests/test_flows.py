@@ -563,3 +563,50 @@ def test_s3_outage_outlasting_retries_fails_before_registering(
     assert push.run_count == 4 and push.state_type.value == "FAILED"
     assert not any(name.startswith(("register", "publish")) for name in runs)
     assert list_entries(f"s3://{bucket}/registry") == []
+
+
+def test_overrides_reach_every_stage_and_leave_dvc_mode(tmp_path: Path) -> None:
+    """`--set` (the flow's `overrides` parameter) becomes `--set` on every stage command; since DVC's
+    stages read params.yaml, the plan runs the CLI instead and says so."""
+    plan = fplan.make_plan("route", True, REPO / "pipelines.yaml", {"trainer.max_steps": 7})
+    assert not plan.use_dvc and "overrides trainer.max_steps=7" in plan.mode_note
+    for step in plan.steps:
+        argv = list(step.argv)
+        assert argv[argv.index("--set") + 1] == "trainer.max_steps=7" and "--quick" in argv, argv
+    assert "trainer.max_steps=7" in plan.register_argv
+    from vpo.pipeline.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"trainer.max_step: unknown key"):
+        fplan.make_plan("route", True, REPO / "pipelines.yaml", {"trainer.max_step": 7})
+
+
+def test_vpo_flow_passes_set_to_the_flow(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI hands its --set values to the flow as a parameter (they are not validated and dropped)."""
+    from vpo.pipeline import cli
+
+    seen: dict[str, Any] = {}
+
+    def fake_retrain(**kwargs: Any) -> Any:
+        seen.update(kwargs)
+        return mock.Mock(is_failed=lambda: False)
+
+    monkeypatch.setattr(rt, "retrain", fake_retrain)
+    assert cli.main(["flow", "--quick", "--config", str(REPO / "pipelines.yaml"), "--set", "trainer.max_steps=6",
+                     "--set", "arms.vpo.seeds=[0, 1]"]) == 0
+    assert seen["overrides"] == {"trainer.max_steps": 6, "arms.vpo.seeds": [0, 1]} and seen["quick"] is True
+
+
+@pytest.mark.parametrize(("lines", "transient", "shown"), [
+    (["Collecting", "ERROR: failed to pull data from the cloud - Checkout failed for following targets:",
+      "runs/route-quick/arms/vpo-s0", "Is your cache up to date?", "runs/route-quick/live/plots/a.tsv"], False,
+     "Checkout failed"),
+    (["ERROR: failed to pull data from the cloud - Can't remove the following unsaved files without "
+      "confirmation. Use `-f` to force."], False, "unsaved files"),
+    (["ERROR: failed to transfer 'md5: 1a2b' - Could not connect to the endpoint URL", "ERROR: failed to push"],
+     True, "Could not connect"),
+    (["ERROR: failed to push data to the cloud - 3 files failed to upload"], True, "3 files failed to upload"),
+])
+def test_dvc_errors_show_dvcs_line_and_only_network_ones_retry(lines: list[str], transient: bool,
+                                                               shown: str) -> None:
+    text, is_transient = tasks.dvc_error(lines)
+    assert is_transient is transient and shown in text and text.startswith("ERROR")
