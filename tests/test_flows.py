@@ -600,8 +600,8 @@ def test_vpo_flow_passes_set_to_the_flow(monkeypatch: pytest.MonkeyPatch) -> Non
     (["Collecting", "ERROR: failed to pull data from the cloud - Checkout failed for following targets:",
       "runs/route-quick/arms/vpo-s0", "Is your cache up to date?", "runs/route-quick/live/plots/a.tsv"], False,
      "Checkout failed"),
-    (["ERROR: failed to pull data from the cloud - Can't remove the following unsaved files without "
-      "confirmation. Use `-f` to force."], False, "unsaved files"),
+    ([("ERROR: failed to pull data from the cloud - Can't remove the following unsaved files without "
+      "confirmation. Use `-f` to force.")], False, "unsaved files"),
     (["ERROR: failed to transfer 'md5: 1a2b' - Could not connect to the endpoint URL", "ERROR: failed to push"],
      True, "Could not connect"),
     (["ERROR: failed to push data to the cloud - 3 files failed to upload"], True, "3 files failed to upload"),
