@@ -76,7 +76,8 @@ def test_no_or_unreadable_record(built: tuple[Path, Fingerprint]) -> None:
     out, fp = built
     (out / "stage.json").write_text('{"format": 1, "finger')
     assert read_state(out / "stage.json") is None
-    assert why_stale(None, fp, out, output_exists=True) == "earlier output has no record of what made it"
+    assert why_stale(None, fp, out, output_exists=True) == \
+        "no finished output (an earlier run stopped before recording one)"
     assert why_stale(None, fp, out, output_exists=False) == "not built yet"
 
 

@@ -146,7 +146,8 @@ def describe_changes(old: Mapping[str, Any], new: Mapping[str, Any], limit: int 
 def why_stale(state: Mapping[str, Any] | None, fp: Fingerprint, base: Path, *, output_exists: bool) -> str | None:
     """Why the output recorded by ``state`` does not answer ``fp`` (None: it does and is intact)."""
     if state is None:
-        return "earlier output has no record of what made it" if output_exists else "not built yet"
+        return ("no finished output (an earlier run stopped before recording one)" if output_exists
+                else "not built yet")
     if state["fingerprint"] != fp.digest:
         reasons = describe_changes(state.get("params", {}), fp.params)
         code = sorted(k for k in set(state.get("code", {})) | set(fp.code)
