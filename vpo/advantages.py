@@ -347,7 +347,7 @@ def _gamma_draws(
     """(G, d, K) positive draws whose (group, k) columns, divided by their sum over the group's
     present dims, are K iid Dir(alpha) weightings on those dims; absent dims (``present`` (G, d)
     False) are 0. Unnormalised so the estimator divides K maxima instead of K x d weights.
-    ``out`` (G, d, K) receives the alpha = 1 Dirichlet draws (the common case) if given."""
+    ``out`` (G, d, K) receives the alpha = 1 draws (the common case) if given."""
     if num_weights < 1:
         raise ValueError(f"num_weights must be >= 1, got {num_weights}")
     if not alpha > 0:
@@ -362,12 +362,12 @@ def _gamma_draws(
         engine = torch.quasirandom.SobolEngine(dimension=d, scramble=True, seed=_seed_from(generator))
         base = engine.draw(num_weights, dtype=torch.float64).numpy().T  # (d, K)
         shift = torch.rand((n_groups, d, 1), generator=generator, dtype=torch.float64).numpy()
-        u = base[None] + shift  # in [0, 2): wrap to [0, 1) (np.remainder is ~10x slower)
-        np.subtract(u, 1.0, out=u, where=u >= 1.0)
+        u = np.add(base[None], shift, out=out if alpha == 1.0 else None)  # in [0, 2): wrap to [0, 1)
+        u -= u >= 1.0  # (np.remainder is ~10x slower)
         np.clip(u, 1e-12, 1 - 1e-12, out=u)
         if alpha == 1.0:
-            g = -np.log1p(-u)
-            return g if mask is None else g * mask
+            np.negative(np.log1p(np.negative(u, out=u), out=u), out=u)
+            return u if mask is None else np.multiply(u, mask, out=u)
         logg = _log_gamma_quantiles(alpha, u)
     else:
         raise ValueError(f"unknown sampler {sampler!r}; expected 'dirichlet' or 'sobol'")
