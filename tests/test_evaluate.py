@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vpo.evaluate import evaluate_pools, scalarise
+from vpo import generation
+from vpo.evaluate import evaluate_policy, evaluate_pools, scalarise
 from vpo.metrics import pool_best_at_k
 from vpo.rewards import VectorReward
 from vpo.tasks import Task
@@ -13,6 +14,9 @@ from vpo.tasks import Task
 
 class _Reward(VectorReward):
     names = ("x", "y")
+
+    def score(self, answers, row):  # type: ignore[no-untyped-def]
+        return np.array([[float("x" in a), float("y" in a)] for a in answers])
 
 
 class _Task(Task):
@@ -51,3 +55,23 @@ def test_pools_differ_when_answer_order_matters() -> None:
     assert ours["best_at_k"]["1"] > theirs["best_at_k"]["1"]  # our k=1 is a first answer, the strong one
     with pytest.raises(ValueError, match="pool must be one of"):
         evaluate_pools(_Task(), [{}, {}], v, [1], pool="answers")
+
+
+def test_evaluate_policy_passes_pool_and_prompt_fn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sampling is stubbed: the prompts reaching it come from prompt_fn, and the pool is reported."""
+    seen: list[list[str]] = []
+
+    def fake_sample(model_dir, tokenizer, prompts, *, n, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(list(prompts))
+        return [["<answer_1>xy</answer_1><answer_2>x</answer_2>"] * n for _ in prompts]
+
+    monkeypatch.setattr(generation, "sample", fake_sample)
+    rows = [{"id": "a", "prompt": "Q1"}, {"id": "b", "prompt": "Q2"}]
+    res, vectors = evaluate_policy(_Task(), "unused", rows, m=2, n_samples=4, ks=[1, 2], pool="slots",
+                                   prompt_fn=lambda row, m: f"{row['prompt']} (show weights, m={m})")
+    assert seen == [["Q1 (show weights, m=2)", "Q2 (show weights, m=2)"]]
+    assert vectors.shape == (2, 2, 2, 2) and res["pool"] == "slots"
+    assert res["best_at_k"]["1"] == pytest.approx(0.75)  # a random slot: "xy" (1.0 under w*) or "x" (0.5)
+    with pytest.raises(ValueError, match="pool must be one of"):
+        evaluate_policy(_Task(), "unused", rows, m=2, n_samples=4, ks=[1], pool="chains")
+    assert len(seen) == 1  # refused before sampling
