@@ -43,11 +43,11 @@ __all__ = [
     "goal_condition_rows",
     "goal_conditioned_grpo_advantage",
     "goal_prompt",
+    "group_index",
+    "group_zscore",
     "grpo_advantage",
     "grpo_passk_advantage",
     "grpo_population_std_advantage",
-    "group_index",
-    "group_zscore",
     "masked_normalise",
     "max_at_k_advantage",
     "max_at_k_scores",
@@ -657,7 +657,7 @@ def grpo_advantage(
     cols = torch.where(batch.rows[:, :1], batch.values[:, 0, :], empty).to(torch.float32)
     w = (torch.ones(batch.d) if w_star is None else _fixed_weights(w_star, batch.d)).to(torch.float32)
     unscorable = torch.isnan(cols).all(dim=1)
-    table, sizes = _group_table(gidx, n_groups)
+    table = _group_table(gidx, n_groups)[0]
     if aggregation == "sum_then_normalize":
         rewards = (cols * w.unsqueeze(0)).nansum(dim=1)
         rewards[unscorable] = float("nan")

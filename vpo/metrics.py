@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 __all__ = [
+    "POOLS",
     "best_at_k",
     "best_at_k_coefficients",
     "dirichlet_weights",
@@ -21,7 +22,6 @@ __all__ = [
     "mean_offdiag_correlation",
     "pareto_fraction",
     "pass_at_k",
-    "POOLS",
     "pool_best_at_k",
     "reward_diversity",
 ]

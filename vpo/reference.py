@@ -49,7 +49,7 @@ def _first_answer_groups(
     """Per group: its rollout indices and each rollout's first-answer w*.r (0 if empty), w*
     renormalised over the group's present dims."""
     out = []
-    for _, idx in _groups(group_ids).items():
+    for idx in _groups(group_ids).values():
         sets = [np.asarray(reward_sets[i], dtype=np.float64) for i in idx]
         w = _w_star(_present(sets), w_star)
         out.append((idx, [_first(s, w) for s in sets]))
@@ -128,7 +128,7 @@ def trl_grpo_advantage_loop(
     d = next(s.shape[1] for s in sets if s.ndim == 2)
     w = np.ones(d) if w_star is None else np.asarray(w_star, dtype=np.float64)
     cols = np.full((n, d), np.nan)
-    for _, idx in groups.items():
+    for idx in groups.values():
         present = _present([sets[i] for i in idx])
         for i in idx:
             cols[i] = sets[i][0] if sets[i].shape[0] else np.where(present, 0.0, np.nan)
@@ -137,7 +137,7 @@ def trl_grpo_advantage_loop(
     if aggregation == "sum_then_normalize":
         reward = [float(np.nansum(cols[i] * w)) if scorable[i] else math.nan for i in range(n)]
         batch_std = _nan_mean_std(reward)[1]
-        for _, idx in groups.items():
+        for idx in groups.values():
             mean, std = _nan_mean_std([reward[i] for i in idx])
             scale = batch_std if scale_rewards == "batch" else std
             for i in idx:
@@ -145,7 +145,7 @@ def trl_grpo_advantage_loop(
                 out[i] = 0.0 if math.isnan(a) else a
         return out
     normalised = np.full((n, d), np.nan)
-    for _, idx in groups.items():
+    for idx in groups.values():
         for j in range(d):
             mean, std = _nan_mean_std([cols[i, j] for i in idx])
             for i in idx:
@@ -165,7 +165,7 @@ def weighted_grpo_advantage_loop(
     """GRPO with one weighting per rollout (``weights`` (N, d): random-weight and goal-conditioned
     GRPO): first answer's w_i . r, w_i renormalised over the group's present dims, z-score."""
     out = np.zeros(len(reward_sets))
-    for _, idx in _groups(group_ids).items():
+    for idx in _groups(group_ids).values():
         sets = [np.asarray(reward_sets[i], dtype=np.float64) for i in idx]
         present = _present(sets)
         scores = []
@@ -238,7 +238,7 @@ def multi_rlvr_advantage_loop(
 ) -> np.ndarray:
     """Multi-RLVR: sum over the set of w*.r, then z-score."""
     out = np.zeros(len(reward_sets))
-    for _, idx in _groups(group_ids).items():
+    for idx in _groups(group_ids).values():
         sets = [np.asarray(reward_sets[i], dtype=np.float64) for i in idx]
         w = _w_star(_present(sets), w_star)
         scores = [sum(float(np.dot(np.nan_to_num(r), w)) for r in s) for s in sets]
@@ -254,7 +254,7 @@ def gdpo_advantage_loop(
     """GDPO: per-dimension group z-score of the first answer, w*-weighted sum, batch z-score."""
     n = len(reward_sets)
     combined = np.zeros(n)
-    for _, idx in _groups(group_ids).items():
+    for idx in _groups(group_ids).values():
         sets = [np.asarray(reward_sets[i], dtype=np.float64) for i in idx]
         w = _w_star(_present(sets), w_star)
         d = w.shape[0]
