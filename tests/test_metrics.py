@@ -122,3 +122,38 @@ def test_mean_offdiag_correlation() -> None:
     r = np.stack([x, x, 1 - x], 1)
     assert M.mean_offdiag_correlation(r) == pytest.approx((1 - 1 - 1) / 3)
     assert math.isnan(M.mean_offdiag_correlation(np.ones((5, 3))))
+
+
+def brute_slot_best_at_k(chains: np.ndarray, k: int) -> float:
+    """Every k-subset of the flattened n x m answer slots (missing answers score 0)."""
+    flat = np.where(np.isnan(chains), 0.0, chains).ravel()
+    return float(np.mean([max(sub) for sub in itertools.combinations(flat, k)]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 3), st.data())
+def test_slot_pool_best_at_k_equals_enumeration(n: int, m: int, data: st.DataObject) -> None:
+    k = data.draw(st.integers(1, n * m))
+    chains = np.array(data.draw(st.lists(st.lists(st.sampled_from([0.0, 0.25, 0.5, 1.0, np.nan]), min_size=m,
+                                                            max_size=m), min_size=n, max_size=n)))
+    assert M.pool_best_at_k(chains, k, pool="slots") == pytest.approx(brute_slot_best_at_k(chains, k), abs=1e-12)
+    if m == 1:
+        assert M.pool_best_at_k(chains, k, pool="slots") == pytest.approx(M.pool_best_at_k(chains, k), abs=1e-12)
+
+
+def test_rollout_and_slot_pools_differ_as_the_protocols_say() -> None:
+    """10 rollouts of one strong answer followed by two weak ones: at k = 1 our pool takes a whole
+    rollout's first answer (the strong one), the authors' a random slot (one in three is strong)."""
+    rng = np.random.default_rng(0)
+    strong, weak = rng.uniform(0.7, 1.0, 10), rng.uniform(0.0, 0.2, (10, 2))
+    chains = np.column_stack([strong, weak])
+    assert M.pool_best_at_k(chains, 1) == pytest.approx(strong.mean())
+    assert M.pool_best_at_k(chains, 1, pool="slots") == pytest.approx(chains.mean())
+    assert M.pool_best_at_k(chains, 3) == pytest.approx(strong.mean())  # one whole rollout
+    assert M.pool_best_at_k(chains, 3, pool="slots") < strong.mean()  # three slots can miss every strong one
+    batch = np.stack([chains, chains[::-1]])
+    np.testing.assert_allclose(M.pool_best_at_k(batch, 4, pool="slots"), [M.pool_best_at_k(chains, 4, pool="slots")] * 2)
+    with pytest.raises(ValueError, match="pool must be one of"):
+        M.pool_best_at_k(chains, 1, pool="chains")
+    with pytest.raises(ValueError, match="n\\*m = 30"):
+        M.pool_best_at_k(chains, 31, pool="slots")

@@ -37,6 +37,17 @@ def test_config_rejects_bad_settings(tmp_path: Path) -> None:
         config(tmp_path, num_answers=0)
     with pytest.raises(ValueError, match="weight_sampler"):
         config(tmp_path, weight_sampler="halton")
+    with pytest.raises(ValueError, match="leave reward_weights unset"):
+        config(tmp_path, reward_weights=[1.0, 1.0, 1.0])
+    with pytest.raises(ValueError, match="scale_rewards only shape the 'grpo' estimator"):
+        config(tmp_path, estimator="vpo", scale_rewards="batch")
+    with pytest.raises(ValueError, match="multi_objective_aggregation only shape"):
+        config(tmp_path, estimator="max_at_k", multi_objective_aggregation="normalize_then_sum")
+    with pytest.raises(ValueError, match="max_at_k_k only applies"):
+        config(tmp_path, estimator="grpo", max_at_k_k=2)
+    with pytest.raises(ValueError, match="max_at_k_k must be >= 1"):
+        config(tmp_path, estimator="max_at_k", max_at_k_k=0)
+    config(tmp_path, estimator="grpo", scale_rewards="none", multi_objective_aggregation="normalize_then_sum")
 
 
 def test_short_training_run_changes_parameters_and_logs_vpo_metrics(tmp_path: Path, model_dir: Path) -> None:
@@ -115,6 +126,106 @@ def test_estimator_arm_changes_advantages(tmp_path: Path, model_dir: Path) -> No
         torch.testing.assert_close(trainer.last_advantages, ref)
 
 
+@pytest.mark.parametrize(("scale_rewards", "aggregation"), [("group", "sum_then_normalize"),
+                                                            ("batch", "sum_then_normalize"),
+                                                            ("none", "sum_then_normalize"),
+                                                            ("group", "normalize_then_sum")])
+def test_grpo_is_trls_stock_advantage_bit_for_bit(tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  scale_rewards: str, aggregation: str) -> None:
+    """GRPOTrainer computes its stock advantages from the same reward columns before VPOTrainer
+    replaces them: with m = 1 the `grpo` estimator's are identical, bit for bit."""
+    from trl import GRPOTrainer
+
+    from vpo.trainer import VPOTrainer
+
+    stock: list[torch.Tensor] = []
+    original = GRPOTrainer._generate_and_score_completions
+
+    def recording(self: Any, inputs: Any) -> Any:
+        out = original(self, inputs)
+        stock.append(out["advantages"].detach().clone())
+        return out
+
+    monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions", recording)
+    ours: list[torch.Tensor] = []
+
+    class Recording(VPOTrainer):
+        def _generate_and_score_completions(self, inputs: Any) -> Any:
+            out = super()._generate_and_score_completions(inputs)
+            ours.append(self.last_advantages.clone())
+            return out
+
+    torch.manual_seed(4)
+    model, tok = _load(model_dir)
+    # short completions without EOS score as unparseable: groups mix empty rollouts (0 on present
+    # dims), rows lacking a dimension (NaN) and groups without spread
+    cfg = config(tmp_path, estimator="grpo", num_answers=1, max_steps=2, scale_rewards=scale_rewards,
+                 multi_objective_aggregation=aggregation, w_star=[0.5, 0.3, 0.2], truncated_scores_zero=True,
+                 max_completion_length=8, per_device_train_batch_size=16)
+    trainer = Recording(model=model, reward=LetterReward(), args=cfg, train_dataset=toy_dataset(8),
+                        processing_class=tok)
+    trainer.train()
+    assert (trainer._vpo_counts == 0).any() and (trainer._vpo_counts > 0).any()
+    assert trainer._vpo_sets.isnan().any()
+    assert len(stock) == len(ours) == 2
+    for theirs, mine in zip(stock, ours):
+        assert theirs.dtype == torch.float32
+        assert torch.equal(theirs, mine.to(torch.float32))
+        assert torch.equal(mine, mine.to(torch.float32).to(torch.float64))  # computed in float32, as TRL
+    assert any(bool((a != 0).any()) for a in ours), "rewards should vary within some group"
+
+
+def test_every_new_estimator_trains_in_vpo_trainer(tmp_path: Path, model_dir: Path) -> None:
+    """Each arm runs a real training step; the deterministic ones reproduce the registry's numbers
+    from the gathered rewards, prompt ids, seed and goal weights the trainer passed."""
+    from datasets import Dataset
+
+    from vpo.advantages import GOAL_WEIGHTS_COLUMN, get_estimator, goal_condition_rows
+    from vpo.trainer import VPOTrainer
+
+    reward = LetterReward()
+    goal = Dataset.from_list(goal_condition_rows(toy_dataset(8).to_list(), reward.names, seed=3,
+                                                 present=reward.present))
+    runs = {"max_at_k": {"max_at_k_k": 3}, "grpo_passk": {}, "random_weight_grpo": {},
+            "random_weight_grpo_per_rollout": {}, "grpo_population_std": {}, "goal_conditioned_grpo": {}}
+    for name, extra in runs.items():
+        torch.manual_seed(6)
+        model, tok = _load(model_dir)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        dataset = goal if name == "goal_conditioned_grpo" else toy_dataset(8)
+        trainer = VPOTrainer(model=model, reward=reward, args=config(tmp_path / name, estimator=name, num_answers=1,
+                                                                     max_steps=1, **extra),
+                             train_dataset=dataset, processing_class=tok)
+        trainer.train()
+        adv = trainer.last_advantages
+        assert adv is not None and torch.isfinite(adv).all(), name
+        assert any(not torch.equal(before[n], p.detach()) for n, p in model.named_parameters()), name
+        sets = trainer._set_list()
+        gids = np.arange(len(sets)) // 4
+        if name == "random_weight_grpo_per_rollout":  # fresh weights from the step's generator
+            continue
+        weights = None
+        if name == "goal_conditioned_grpo":
+            by_id = {r["id"]: r[GOAL_WEIGHTS_COLUMN] for r in goal}
+            weights = np.array([by_id[i] for i in trainer._vpo_prompt_ids])
+            np.testing.assert_array_equal(trainer._vpo_row_weights.numpy(), weights)
+        ref = get_estimator(name)(sets, gids, w_star=trainer._w_star, k=extra.get("max_at_k_k"), seed=3,
+                                  prompt_ids=trainer._vpo_prompt_ids, weights=weights)
+        torch.testing.assert_close(adv, ref, msg=name)
+
+
+def test_goal_conditioned_needs_the_weights_column(tmp_path: Path, model_dir: Path) -> None:
+    from vpo.trainer import VPOTrainer, _row_weights
+
+    model, tok = _load(model_dir)
+    with pytest.raises(ValueError, match="train_dataset column 'goal_weights'"):
+        VPOTrainer(model=model, reward=LetterReward(), args=config(tmp_path, estimator="goal_conditioned_grpo"),
+                   train_dataset=toy_dataset(8), processing_class=tok)
+    np.testing.assert_array_equal(_row_weights({"w": "[0.25, 0.75]"}, "w", 2, 0), [0.25, 0.75])  # JSON text
+    with pytest.raises(ValueError, match=r"rollout 5 \(row id p1\): column 'w' must hold 2"):
+        _row_weights({"id": "p1", "w": [0.5, -0.5]}, "w", 2, 5)
+
+
 @pytest.mark.integration
 def test_two_process_torchrun_ranks_agree(tmp_path: Path, model_dir: Path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
@@ -133,6 +244,7 @@ def test_two_process_torchrun_ranks_agree(tmp_path: Path, model_dir: Path) -> No
         assert a["world"] == b["world"] == 2
         assert a["sets"] == b["sets"]  # both ranks see the same gathered reward matrices
         assert a["advantages"] == b["advantages"]  # ...and draw the same weights
+        assert a["prompt_ids"] == b["prompt_ids"] and len(a["prompt_ids"]) == len(a["advantages"])  # gathered too
         assert sorted(a["local_rows"] + b["local_rows"]) == list(range(len(a["advantages"])))
         assert set(a["local_rows"]).isdisjoint(b["local_rows"])
 

@@ -83,7 +83,8 @@ def _dist_main(model_dir: str, out_dir: str) -> None:
             out = super()._generate_and_score_completions(inputs)
             seen.append({"advantages": self.last_advantages.tolist(),
                          "sets": self._vpo_sets.nan_to_num(-1).tolist(),
-                         "local_rows": out["vpo_row_id"].tolist(), "world": self.accelerator.num_processes})
+                         "local_rows": out["vpo_row_id"].tolist(), "world": self.accelerator.num_processes,
+                         "prompt_ids": self._vpo_prompt_ids})
             return out
 
     trainer = Recording(model=model, reward=LetterReward(), args=cfg, train_dataset=toy_dataset(8),

@@ -3,19 +3,20 @@
 Fair pools (VPO_SPEC section 2): a policy answering m times per rollout is sampled
 ``ceil(n_samples / m)`` times per problem, a single-answer policy ``n_samples`` times, so both
 spend the same number of candidates; best@k over a multi-answer pool uses ceil(k/m) rollouts
-(:func:`vpo.metrics.pool_best_at_k`). All estimators are exact expectations over the drawn
+(``pool="rollouts"``, default) or, as the authors' evaluation code, k answer slots of the flattened
+pool (``pool="slots"``); :func:`vpo.metrics.pool_best_at_k`. All estimators are exact expectations over the drawn
 samples, so the only noise is the sampling of the policy itself.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from vpo.metrics import dirichlet_weights, pool_best_at_k, reward_diversity
+from vpo.metrics import POOLS, dirichlet_weights, pool_best_at_k, reward_diversity
 from vpo.rewards import VectorReward, validate_reward_matrix
 from vpo.tasks import Task
 
@@ -70,25 +71,34 @@ def score_completions(task: Task, rows: Sequence[Mapping[str, Any]], completions
 
 
 def evaluate_pools(task: Task, rows: Sequence[Mapping[str, Any]], vectors: np.ndarray, ks: Sequence[int], *,
-                   num_weights: int = 100, seed: int = 0) -> dict[str, Any]:
+                   num_weights: int = 100, seed: int = 0, pool: str = "rollouts") -> dict[str, Any]:
     """All metrics from slot vectors (P, n_chains, m, d): best@k of the w* scalar, pass@k,
-    E_w[best@k] under Dir(1), first-answer quality, reward diversity, parse rate."""
+    E_w[best@k] under Dir(1), first-answer quality, reward diversity, parse rate.
+
+    ``pool`` is how k candidates are drawn from a problem's n_chains x m answers (recorded in the
+    result as ``pool``): ``"rollouts"`` (ours, default) takes ceil(k/m) whole rollouts, the paper's
+    stated protocol; ``"slots"`` takes k answer slots from the flattened pool, as the authors'
+    evaluation code (exactly, not by one random permutation). See :func:`vpo.metrics.pool_best_at_k`.
+    """
+    if pool not in POOLS:
+        raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
     reward = task.reward
     n_problems, n_chains, m, d = vectors.shape
     w_star = np.asarray(reward.w_star(), dtype=np.float64)
     scal = scalarise(vectors, w_star)  # (P, n, m)
-    ks_ok = [k for k in ks if math.ceil(k / m) <= n_chains]
-    res: dict[str, Any] = {"m": m, "n_chains": n_chains, "n_problems": n_problems, "k": ks_ok}
-    res["best_at_k"] = {str(k): float(np.mean(pool_best_at_k(scal, k))) for k in ks_ok}
+    ks_ok = [k for k in ks if math.ceil(k / m) <= n_chains]  # k <= n_chains * m, for either pool
+    res: dict[str, Any] = {"m": m, "n_chains": n_chains, "n_problems": n_problems, "k": ks_ok, "pool": pool}
+    res["best_at_k"] = {str(k): float(np.mean(pool_best_at_k(scal, k, pool=pool))) for k in ks_ok}
     passed = np.zeros(scal.shape)
     for idx in np.ndindex(*scal.shape):
         if not np.isnan(scal[idx]):
             passed[idx] = float(is_pass(task, vectors[idx]))
     passed = np.where(np.isnan(scal), np.nan, passed)
-    res["pass_at_k"] = {str(k): float(np.mean(pool_best_at_k(passed, k))) for k in ks_ok}
+    res["pass_at_k"] = {str(k): float(np.mean(pool_best_at_k(passed, k, pool=pool))) for k in ks_ok}
     weights = dirichlet_weights(d, num_weights, 1.0, seed)
     per_w = np.stack([scalarise(vectors, w) for w in weights])  # (K, P, n, m)
-    res["expected_weighted_best_at_k"] = {str(k): float(np.mean(pool_best_at_k(per_w, k))) for k in ks_ok}
+    res["expected_weighted_best_at_k"] = {str(k): float(np.mean(pool_best_at_k(per_w, k, pool=pool)))
+                                          for k in ks_ok}
     first = np.nan_to_num(scal[:, :, 0], nan=0.0)
     res["first_answer_mean"] = float(first.mean())
     res["parse_rate"] = float((~np.isnan(scal)).mean())
@@ -105,15 +115,20 @@ def evaluate_pools(task: Task, rows: Sequence[Mapping[str, Any]], vectors: np.nd
 
 def evaluate_policy(task: Task, model_dir: str, rows: Sequence[Mapping[str, Any]], *, m: int, n_samples: int,
                     ks: Sequence[int], temperature: float = 1.0, max_new_tokens: int = 64, seed: int = 0,
-                    num_weights: int = 100, backend: str = "transformers", progress: bool = False
+                    num_weights: int = 100, backend: str = "transformers", progress: bool = False,
+                    pool: str = "rollouts", prompt_fn: Callable[[Mapping[str, Any], int], Any] | None = None,
                     ) -> tuple[dict[str, Any], np.ndarray]:
-    """Sample a fair pool from ``model_dir`` for every row and compute :func:`evaluate_pools`.
-    Returns the metrics and the slot vectors (kept as an artifact for later analysis)."""
+    """Sample a fair pool from ``model_dir`` for every row and compute :func:`evaluate_pools`
+    (``pool``: "rollouts" or "slots"). ``prompt_fn(row, m)`` replaces ``task.format_prompt``
+    (e.g. to show a goal-conditioned policy its weighting). Returns the metrics and the slot
+    vectors (kept as an artifact for later analysis)."""
     from vpo.generation import sample
 
+    if pool not in POOLS:  # before any sampling
+        raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
     n_chains = math.ceil(n_samples / m)
-    prompts = [task.format_prompt(r, m) for r in rows]
+    prompts = [(prompt_fn or task.format_prompt)(r, m) for r in rows]
     completions = sample(model_dir, None, prompts, n=n_chains, max_new_tokens=max_new_tokens,
                          temperature=temperature, seed=seed, backend=backend, progress=progress)
     vectors = score_completions(task, rows, completions, m)
-    return evaluate_pools(task, rows, vectors, ks, num_weights=num_weights, seed=seed), vectors
+    return evaluate_pools(task, rows, vectors, ks, num_weights=num_weights, seed=seed, pool=pool), vectors

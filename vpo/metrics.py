@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 __all__ = [
+    "POOLS",
     "best_at_k",
     "best_at_k_coefficients",
     "dirichlet_weights",
@@ -126,27 +127,39 @@ def fair_num_rollouts(k: int, m: int) -> int:
     return math.ceil(k / m)
 
 
-def pool_best_at_k(chain_scores: np.ndarray, k: int) -> float | np.ndarray:
+POOLS = ("rollouts", "slots")
+
+
+def pool_best_at_k(chain_scores: np.ndarray, k: int, *, pool: str = "rollouts") -> float | np.ndarray:
     """Unbiased best@k for a fair pool built from multi-answer chains.
 
     ``chain_scores`` is (..., n, m): n iid rollouts ("chains") with m answer slots each (NaN or
-    -inf = no answer in that slot, scored as the floor 0). The pool is ceil(k/m) chains drawn
-    without replacement with their answers concatenated and the first k kept, so every chain
-    contributes all m answers except the last, which contributes its first k mod m. With m = 1
-    this is :func:`best_at_k`. Exact: averages over which drawn chain is the partial one.
-    Leading axes are batched (one value per leading index).
+    -inf = no answer in that slot, scored as the floor 0). ``pool="rollouts"`` (ours, the
+    protocol the paper describes): ceil(k/m) chains drawn without replacement with their answers
+    concatenated and the first k kept, so every chain contributes all m answers except the last,
+    which contributes its first k mod m. ``pool="slots"`` (the authors' evaluation code): k answer
+    slots drawn without replacement from the flattened n x m pool. Both are exact expectations
+    over the draw, not a permutation sample; with m = 1 both are :func:`best_at_k`. Leading axes
+    are batched (one value per leading index).
     """
+    if pool not in POOLS:
+        raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
     s = np.asarray(chain_scores, dtype=np.float64)
     if s.ndim < 2:
         raise ValueError(f"chain_scores must be (..., n, m), got shape {s.shape}")
     n, m = s.shape[-2:]
     full_chains, rest = divmod(k, m)
     need = full_chains + (1 if rest else 0)
-    if need > n:
+    if pool == "rollouts" and need > n:
         raise ValueError(f"best@{k} with m={m} needs {need} rollouts, only {n} given")
+    if pool == "slots" and not 1 <= k <= n * m:
+        raise ValueError(f"best@{k} from answer slots needs 1 <= k <= n*m = {n * m}")
     missing = ~np.isfinite(s)
     floor = float(min(0.0, s[~missing].min())) if (~missing).any() else 0.0  # "no answer" scores the floor
     s = np.where(missing, floor, s)
+    if pool == "slots":
+        out = best_at_k(s.reshape(s.shape[:-2] + (n * m,)), k)
+        return float(out) if s.ndim == 2 else np.asarray(out)
     full = s.max(axis=-1)  # (..., n)
     if rest == 0:
         out = best_at_k(full, full_chains)

@@ -13,11 +13,17 @@ TRL 1.16 has no advantage hook (trl#4525), so the subclass overrides two methods
   and hands each rank its slice.
 
 The estimators return group z-scores already; TRL's loss uses ``inputs["advantages"]`` as is,
-so nothing is normalised twice (``scale_rewards`` only affects the discarded stock path).
+so nothing is normalised twice. TRL's own reward columns are the w*-best answer's dimensions
+(0 for an unparseable rollout) weighted by w* as ``reward_weights``, so with m = 1 the ``grpo``
+estimator reproduces the stock advantages TRL computed and discarded, bit for bit, under the
+config's ``scale_rewards`` and ``multi_objective_aggregation`` (which no other estimator reads).
+Per-rollout extras reach the estimator gathered like the rewards: each row's prompt id (``id``
+column, else its prompt) and, for ``goal_conditioned_grpo``, its ``goal_weights`` column.
 """
 
 from __future__ import annotations
 
+import json
 import warnings
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -26,13 +32,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from accelerate.utils import gather
+from accelerate.utils import gather, gather_object
 from trl import GRPOConfig, GRPOTrainer
 
 from vpo.advantages import (
     RewardBatch,
     get_estimator,
-    masked_normalise,
     present_dims,
     sample_weights,
     vpo_scores,
@@ -54,6 +59,8 @@ class VPOConfig(GRPOConfig):
     weight_sampler: str = field(default="dirichlet", metadata={"help": "'dirichlet' (iid) or 'sobol' (QMC)."})
     w_star: list[float] | None = field(default=None, metadata={"help": "Fixed scalarisation for baselines/logging."})
     advantage_eps: float = field(default=1e-6, metadata={"help": "eps of the group z-score."})
+    max_at_k_k: int | None = field(
+        default=None, metadata={"help": "k of the max_at_k estimator (default max(2, n // 2), as the authors)."})
     truncated_scores_zero: bool = field(
         default=True,
         metadata={"help": "A completion cut at max_completion_length (no EOS) scores as unparseable (all zero). "
@@ -72,6 +79,19 @@ class VPOConfig(GRPOConfig):
             raise ValueError(f"weight_alpha must be > 0, got {self.weight_alpha}")
         if self.weight_sampler not in ("dirichlet", "sobol"):
             raise ValueError(f"weight_sampler must be 'dirichlet' or 'sobol', got {self.weight_sampler!r}")
+        if self.reward_weights is not None:
+            raise ValueError("VPOConfig takes the scalarisation as w_star (it also becomes TRL's reward_weights); "
+                             "leave reward_weights unset")
+        trl_defaults = {"scale_rewards": "group", "multi_objective_aggregation": "sum_then_normalize"}
+        changed = [k for k, v in trl_defaults.items() if getattr(self, k) != v]
+        if changed and self.estimator.lower() != "grpo":
+            raise ValueError(f"{', '.join(changed)} only shape the 'grpo' estimator (TRL's stock advantages); "
+                             f"estimator {self.estimator!r} would ignore it")
+        if self.max_at_k_k is not None:
+            if self.estimator.lower() != "max_at_k":
+                raise ValueError(f"max_at_k_k only applies to the 'max_at_k' estimator, not {self.estimator!r}")
+            if self.max_at_k_k < 1:
+                raise ValueError(f"max_at_k_k must be >= 1, got {self.max_at_k_k}")
 
 
 def completion_text(completion: Any) -> str:
@@ -84,7 +104,8 @@ def completion_text(completion: Any) -> str:
 
 
 def _best_rows(sets: Sequence[np.ndarray], w_star: np.ndarray) -> np.ndarray:
-    """(N, d): for each rollout the reward vector of its w*-best answer (zeros if it has none)."""
+    """(N, d): for each rollout the reward vector of its w*-best answer (NaN if the set is empty;
+    a zero-padded set yields its zero row, i.e. an unparseable rollout scores 0)."""
     out = np.zeros((len(sets), w_star.shape[0]))
     for i, mat in enumerate(sets):
         if mat.shape[0]:
@@ -92,6 +113,24 @@ def _best_rows(sets: Sequence[np.ndarray], w_star: np.ndarray) -> np.ndarray:
         else:
             out[i] = np.nan
     return out
+
+
+def _prompt_id(row: Mapping[str, Any]) -> Any:
+    """A row's prompt identity for per-prompt seeding: its ``id`` column, else its prompt text."""
+    return row["id"] if "id" in row else str(row.get("prompt"))
+
+
+def _row_weights(row: Mapping[str, Any], column: str, d: int, where: int) -> np.ndarray:
+    """A row's weighting from ``column`` (a list of d floats, or its JSON text as the pipeline's
+    training datasets store lists), checked: d finite non-negative numbers."""
+    value = row.get(column)
+    if isinstance(value, str):
+        value = json.loads(value)
+    w = np.asarray(value if value is not None else [], dtype=np.float64)
+    if w.shape != (d,) or not np.isfinite(w).all() or (w < 0).any():
+        raise ValueError(f"rollout {where} (row id {row.get('id', '?')}): column {column!r} must hold {d} finite "
+                         f"non-negative weights, got {row.get(column)!r}")
+    return w
 
 
 def dimension_reward_funcs(reward: VectorReward, m: int) -> list[Any]:
@@ -128,6 +167,15 @@ class VPOTrainer(GRPOTrainer):
         if self._w_star.shape != (reward.dim,):
             raise ValueError(f"w_star has {self._w_star.shape[0]} entries, the reward has {reward.dim} dimensions")
         self._estimator = get_estimator(args.estimator)
+        self._row_weights_column: str | None = getattr(self._estimator, "row_weights_column", None)
+        for name in ("train_dataset", "eval_dataset"):
+            columns = getattr(kwargs.get(name), "column_names", None)
+            if self._row_weights_column and isinstance(columns, list) and self._row_weights_column not in columns:
+                raise ValueError(f"estimator {args.estimator!r} scores each rollout with the weighting its prompt shows, "
+                                 f"read from the {name} column {self._row_weights_column!r}; build the rows with "
+                                 "vpo.advantages.goal_condition_rows")
+        self._vpo_row_weights: torch.Tensor | None = None
+        self._vpo_prompt_ids: list[Any] | None = None
         self._vpo_calls: dict[str, int] = defaultdict(int)
         self._vpo_call_step: dict[str, int] = {}
         self._vpo_sets: torch.Tensor | None = None
@@ -135,6 +183,8 @@ class VPOTrainer(GRPOTrainer):
         self.last_advantages: torch.Tensor | None = None  # global (N,) vector of the latest batch
         super().__init__(model=model, reward_funcs=dimension_reward_funcs(reward, args.num_answers), args=args,
                          **kwargs)
+        # TRL's stock path (logged as `reward`, and what `grpo` reproduces) weights the columns by w*
+        self.reward_weights = torch.tensor(self._w_star, dtype=torch.float32)
 
     # -- rewards -----------------------------------------------------------------------------
     def _calculate_rewards(self, inputs: list[dict[str, Any]], prompts: list[Any], completions: list[Any],
@@ -156,8 +206,13 @@ class VPOTrainer(GRPOTrainer):
         counts = torch.tensor([s.n_valid for s in scored], dtype=torch.long, device=device)
         self._vpo_sets = gather(local).cpu().to(torch.float64)  # (N, m, d)
         self._vpo_counts = gather(counts).cpu()
-        sets = self._set_list()
-        return torch.tensor(_best_rows(sets, self._w_star), dtype=torch.float32, device=device)
+        self._vpo_prompt_ids = list(gather_object([_prompt_id(row) for row in inputs]))
+        if self._row_weights_column:
+            local_w = np.stack([_row_weights(row, self._row_weights_column, self.vector_reward.dim, base + i)
+                                for i, row in enumerate(inputs)])
+            self._vpo_row_weights = gather(torch.tensor(local_w, dtype=torch.float64, device=device)).cpu()
+        padded = list(self._vpo_sets.numpy())  # an empty set keeps its zero row: TRL sees 0, not "unscorable"
+        return torch.tensor(_best_rows(padded, self._w_star), dtype=torch.float32, device=device)
 
     def _set_list(self) -> list[np.ndarray]:
         assert self._vpo_sets is not None and self._vpo_counts is not None
@@ -190,9 +245,12 @@ class VPOTrainer(GRPOTrainer):
         gen = self._generator(mode)
         log_gen = torch.Generator()
         log_gen.set_state(gen.get_state())  # vpo/* metrics redraw the very weights the estimator uses
-        adv = self._estimator(batch, gidx, num_weights=self.args.num_weights, alpha=self.args.weight_alpha,
+        adv = self._estimator(batch, gidx, weights=self._vpo_row_weights if self._row_weights_column else None,
+                              num_weights=self.args.num_weights, alpha=self.args.weight_alpha,
                               sampler=self.args.weight_sampler, generator=gen, eps=self.args.advantage_eps,
-                              w_star=self._w_star)
+                              w_star=self._w_star, k=self.args.max_at_k_k, prompt_ids=self._vpo_prompt_ids,
+                              seed=self.args.seed, scale_rewards=self.scale_rewards,
+                              aggregation=self.multi_objective_aggregation)
         self.last_advantages = adv.clone()
         n_local = out["prompt_ids"].size(0)
         start = self.accelerator.process_index * n_local
@@ -218,8 +276,7 @@ class VPOTrainer(GRPOTrainer):
         metrics["vpo/pool_size"].append(counts.mean().item())
         metrics["vpo/frac_unparsed"].append((counts == 0).to(torch.float64).mean().item())
         w = sample_weights(n_groups, self.args.num_weights, batch.d, alpha=self.args.weight_alpha,
-                           sampler=self.args.weight_sampler, generator=gen)
-        w = masked_normalise(w, present_dims(batch, gidx, n_groups)[:, None, :])
+                           sampler=self.args.weight_sampler, generator=gen, present=present_dims(batch, gidx, n_groups))
         scores = vpo_scores(batch, gidx, n_groups, w)
         self.last_vpo_scores = scores
         metrics["vpo/expected_max"].append(scores.mean().item())
