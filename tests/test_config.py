@@ -60,18 +60,20 @@ def test_shipped_file_loads_every_pipeline_and_variant() -> None:
     assert not quick["code-qwen-coder"].quick  # no quick section: base config
 
 
-def test_route_is_the_embedded_default_with_the_three_arms() -> None:
+def test_route_is_the_embedded_default_with_grpo_vpo_compute_matched_and_max_at_k() -> None:
     cfg = load_pipeline(path=PIPELINES)
     assert cfg.name == "route" and cfg.task.name == "route"
     assert cfg.model.builder == "tiny" and cfg.model.path_or_id is None
     arms = {a.name: a for a in cfg.arms}
-    assert [a.name for a in cfg.enabled_arms] == ["grpo", "vpo", "grpo_x3"]
+    assert [a.name for a in cfg.enabled_arms] == ["grpo", "vpo", "grpo_x3", "max_at_k"]
+    assert arms["max_at_k"].estimator == "max_at_k" and arms["max_at_k"].num_answers == 1
     assert (arms["grpo"].estimator, arms["grpo"].num_answers) == ("grpo", 1)
     assert (arms["vpo"].estimator, arms["vpo"].num_answers) == ("vpo", 3)
     # compute-matched arm: single answer, as many generated answers per prompt as VPO's m=3
     assert arms["grpo_x3"].num_answers == 1
     assert arms["grpo_x3"].rollouts_per_prompt == arms["vpo"].num_generations * arms["vpo"].num_answers
-    assert arms["multi_rlvr"].enabled is False
+    off = ["multi_rlvr", "random_weight_grpo", "goal_conditioned", "grpo_passk", "gdpo"]  # the paper's others
+    assert [arms[n].enabled for n in off] == [False] * len(off)
     assert cfg.evaluation.k == [1, 3, 5, 10, 30]
     assert cfg.trainer.num_weights == 100 and cfg.trainer.weight_alpha == 1.0
 
@@ -446,3 +448,17 @@ def test_params_yaml_variant_loads_as_the_pipeline_and_goes_stale_with_it(tmp_pa
         load_variant("p-quick", params, config_path=path)
     with pytest.raises(ConfigError, match=r"no variant named .q. in this file; variants: p, p-quick"):
         load_variant("q", params, config_path=path)
+
+
+def test_estimator_settings_belong_to_their_estimator(tmp_path: Path) -> None:
+    ok = minimal(arms=[{"name": "g", "estimator": "grpo", "scale_rewards": "batch"},
+                       {"name": "m", "estimator": "max_at_k", "max_at_k_k": 3}])
+    cfg = load_pipeline("p", write(tmp_path, {"p": ok}))
+    assert cfg.arm("g").scale_rewards == "batch" and cfg.arm("m").max_at_k_k == 3
+    bad = minimal(arms=[{"name": "v", "estimator": "vpo", "max_at_k_k": 3},
+                        {"name": "w", "estimator": "vpo", "scale_rewards": "none"}])
+    with pytest.raises(ConfigError) as err:
+        load_pipeline("p", write(tmp_path, {"p": bad}))
+    found = problems(err.value)
+    assert "max_at_k_k applies to estimator max_at_k only" in found["pipelines.p.arms[0]"]
+    assert "apply to estimator grpo (TRL's GRPO) only" in found["pipelines.p.arms[1]"]

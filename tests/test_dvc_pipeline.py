@@ -253,7 +253,8 @@ def test_dvc_repro_after_vpo_run_without_a_virtualenv_on_path(main_job_repo: Pat
     env = {"HOME": str(Path.home()), "PATH": "/usr/bin:/bin", "DVC_NO_ANALYTICS": "1", "OMP_NUM_THREADS": "1"}
     proc = run([str(repo / ".venv" / "bin" / "dvc"), "repro", f"{QUICK}-evaluate"], repo, env=env, timeout=900)
     assert "vpo: command not found" not in proc.stdout + proc.stderr
-    for label in ("data", "rewards", "base", "train@grpo-s0", "train@vpo-s0", "train@grpo_x3-s0", "evaluate"):
+    for label in ("data", "rewards", "base", "train@grpo-s0", "train@vpo-s0", "train@grpo_x3-s0",
+                  "train@max_at_k-s0", "evaluate"):
         assert f"[vpo] {label}: up to date" in proc.stdout, proc.stdout[-3000:]
     after = tree_digest(outputs)
     assert {k: v for k, v in after.items() if k in before} == before  # nothing rebuilt or deleted

@@ -47,7 +47,7 @@ NONDETERMINISTIC = {
     "training_args.bin",
     "validation.json",
 }
-ONE_ARM = {"arms.grpo.enabled": False, "arms.grpo_x3.enabled": False}
+ONE_ARM = {"arms.grpo.enabled": False, "arms.grpo_x3.enabled": False, "arms.max_at_k.enabled": False}
 
 
 class Crash(BaseException):

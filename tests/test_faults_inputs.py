@@ -34,7 +34,7 @@ from tests.test_faults_support import (
     tree_digest,
 )
 
-ARM_RUNS = ("grpo-s0", "vpo-s0", "grpo_x3-s0")
+ARM_RUNS = ("grpo-s0", "vpo-s0", "grpo_x3-s0", "max_at_k-s0")
 
 
 @dataclass

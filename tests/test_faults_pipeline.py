@@ -91,7 +91,7 @@ def test_outputs_and_registry_are_consistent(race: Race) -> None:
     for split in ("train", "test"):
         assert len(pd.read_parquet(run / "data" / f"{split}.parquet")) > 0
     metrics = json.loads((run / "eval" / "metrics.json").read_text())
-    assert sorted(metrics["runs"]) == ["base-m1", "base-m3", "grpo-s0", "grpo_x3-s0", "vpo-s0"]
+    assert sorted(metrics["runs"]) == ["base-m1", "base-m3", "grpo-s0", "grpo_x3-s0", "max_at_k-s0", "vpo-s0"]
     registered = json.loads((run / "registry.json").read_text())["entries"]
     entries = list_entries(race.folder / "registry")
     assert sorted(e["hash"] for e in registered) == sorted(e.hash for e in entries)

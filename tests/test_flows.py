@@ -45,7 +45,8 @@ from flows import retrain as rt
 from vpo.pipeline.registry import list_entries, verify_entry
 from vpo.pipeline.storage import scan_for_secrets, secret_values
 
-QUICK_LABELS = {"data", "rewards", "base", "train@grpo-s0", "train@vpo-s0", "train@grpo_x3-s0", "evaluate", "search"}
+QUICK_LABELS = {"data", "rewards", "base", "train@grpo-s0", "train@vpo-s0", "train@grpo_x3-s0", "train@max_at_k-s0",
+                "evaluate", "search"}
 
 
 # --------------------------------------------------------------------------- fast: no servers
@@ -314,6 +315,7 @@ def test_artifacts_report_metrics_registry_and_progress(quick_flow: FlowResult) 
         "route-quick-train-grpo-s0",
         "route-quick-train-vpo-s0",
         "route-quick-train-grpo-x3-s0",
+        "route-quick-train-max-at-k-s0",
     } <= set(arts)
     report = arts["route-quick-report"]
     assert report.type == "markdown"
@@ -321,12 +323,12 @@ def test_artifacts_report_metrics_registry_and_progress(quick_flow: FlowResult) 
     png_b64 = md.split("data:image/png;base64,", 1)[1].split(")", 1)[0]
     png = (quick_flow.repo / "runs" / "route-quick" / "eval" / "best_at_k.png").read_bytes()
     assert base64.b64decode(png_b64) == png and png.startswith(b"\x89PNG")
-    assert "| arm | runs | best@1" in md and all(f"| {arm} |" in md for arm in ("grpo", "vpo", "grpo_x3"))
+    assert "| arm | runs | best@1" in md and all(f"| {arm} |" in md for arm in ("grpo", "vpo", "grpo_x3", "max_at_k"))
     metrics = _table(arts["route-quick-metrics"])
-    assert {row["arm"] for row in metrics} == {"base-m1", "base-m3", "grpo", "vpo", "grpo_x3"}
+    assert {row["arm"] for row in metrics} == {"base-m1", "base-m3", "grpo", "vpo", "grpo_x3", "max_at_k"}
     assert all("best@5" in row for row in metrics)
     registry = _table(arts["route-quick-registry"])
-    assert sorted(row["arm"] for row in registry) == ["grpo-s0", "grpo_x3-s0", "vpo-s0"]
+    assert sorted(row["arm"] for row in registry) == ["grpo-s0", "grpo_x3-s0", "max_at_k-s0", "vpo-s0"]
     for key in ("route-quick-train-grpo-s0", "route-quick-train-vpo-s0", "route-quick-train-grpo-x3-s0"):
         assert arts[key].type == "progress" and float(arts[key].data) == 100.0, key
 
@@ -337,14 +339,14 @@ def test_registry_holds_every_checkpoint_with_lineage(quick_flow: FlowResult) ->
     """S3 registry: one verified entry per arm run, with git rev, dvc.lock hash, params and metrics."""
     repo = quick_flow.repo
     entries = list_entries(f"s3://{quick_flow.bucket}/registry")
-    assert sorted(e.arm for e in entries) == ["grpo-s0", "grpo_x3-s0", "vpo-s0"]
+    assert sorted(e.arm for e in entries) == ["grpo-s0", "grpo_x3-s0", "max_at_k-s0", "vpo-s0"]
     head = run(["git", "rev-parse", "HEAD"], repo).stdout.strip()
     lock_sha = hashlib.sha256((repo / "dvc.lock").read_bytes()).hexdigest()
     for e in entries:
         verify_entry(e)
         assert e.git_rev == head and e.dvc_lock_sha256 == lock_sha
         assert e.lineage["pipeline"] == "route" and e.lineage["quick"] is True
-        assert e.lineage["estimator"] == {"grpo-s0": "grpo", "vpo-s0": "vpo", "grpo_x3-s0": "grpo"}[e.arm]
+        assert e.lineage["estimator"] == {"grpo-s0": "grpo", "vpo-s0": "vpo", "grpo_x3-s0": "grpo", "max_at_k-s0": "max_at_k"}[e.arm]
         assert e.params["trainer"]["max_steps"] == 4 and "best_at_k" in e.metrics["eval"]
         model = repo / "runs" / "route-quick" / "arms" / str(e.arm) / "model"
         assert sorted(f.path for f in e.files) == sorted(
@@ -529,7 +531,7 @@ def test_s3_outage_during_push_is_retried_and_registry_stays_consistent(
     assert push.run_count >= 2 and "AwaitingRetry" in _state_names(push.id)
     assert all(runs[label].run_count == 1 for label in QUICK_LABELS)
     entries = list_entries(registry)
-    assert sorted(e.arm for e in entries) == ["grpo-s0", "grpo_x3-s0", "vpo-s0"]
+    assert sorted(e.arm for e in entries) == ["grpo-s0", "grpo_x3-s0", "max_at_k-s0", "vpo-s0"]
     for e in entries:
         verify_entry(e)
     targets = fplan.make_plan("route", True, repo / "pipelines.yaml").dvc_targets

@@ -35,7 +35,7 @@ def test_every_stage_output_exists(quick_run: tuple[Path, str]) -> None:
                 "eval/best_at_k.png", "eval/table.md", "registry.json", "search/curves.json",
                 "search/curves.png", "search/selection.json", "search/table.md"):
         assert (run / rel).is_file(), rel
-    for arm in ("grpo-s0", "vpo-s0", "grpo_x3-s0"):
+    for arm in ("grpo-s0", "vpo-s0", "grpo_x3-s0", "max_at_k-s0"):
         assert (run / "arms" / arm / "model" / "model.safetensors").is_file(), arm
         history = json.loads((run / "arms" / arm / "history.json").read_text())
         assert len(history) >= 1
@@ -44,7 +44,7 @@ def test_every_stage_output_exists(quick_run: tuple[Path, str]) -> None:
 def test_metrics_cover_every_arm_and_k(quick_run: tuple[Path, str]) -> None:
     run, stdout = quick_run
     metrics = json.loads((run / "eval" / "metrics.json").read_text())
-    assert {"grpo-s0", "vpo-s0", "grpo_x3-s0"} <= set(metrics["runs"])
+    assert {"grpo-s0", "vpo-s0", "grpo_x3-s0", "max_at_k-s0"} <= set(metrics["runs"])
     for rid, r in metrics["runs"].items():
         for k in (1, 3, 5):
             for key in ("best_at_k", "expected_weighted_best_at_k"):
@@ -56,7 +56,7 @@ def test_metrics_cover_every_arm_and_k(quick_run: tuple[Path, str]) -> None:
     table = (run / "eval" / "table.md").read_text().strip()
     assert table in stdout  # the final printed table is the evaluation's table
     assert "Oracle (mean scalar; answers chosen from the prompt alone" in table
-    assert "| vpo |" in table and "| grpo |" in table and "| grpo_x3 |" in table
+    assert all(f"| {arm} |" in table for arm in ("vpo", "grpo", "grpo_x3", "max_at_k"))
     assert (run / "search" / "table.md").read_text().strip() in stdout  # and then the search table
 
 
@@ -65,8 +65,8 @@ def test_search_spent_equal_budgets(quick_run: tuple[Path, str]) -> None:
     selection = json.loads((run / "search" / "selection.json").read_text())
     assert len(selection["problems"]) == 2
     results = json.loads((run / "search" / "results.json").read_text())
-    assert set(results) == {"grpo", "grpo/best_of_k", "vpo", "vpo/best_of_k", "grpo_x3", "grpo_x3/best_of_k"}
-    m_of = {"grpo": 1, "vpo": 3, "grpo_x3": 1}
+    m_of = {"grpo": 1, "vpo": 3, "grpo_x3": 1, "max_at_k": 1}
+    assert set(results) == {name for arm in m_of for name in (arm, f"{arm}/best_of_k")}
     for name, per_problem in results.items():
         assert [r["problem_id"] for r in per_problem] == selection["problems"], name
         for r in per_problem:  # every arm gets the same candidate budget, spent m at a time
@@ -85,7 +85,7 @@ def test_quick_preset_learns(quick_run: tuple[Path, str]) -> None:
     metrics = json.loads((run / "eval" / "metrics.json").read_text())
     assert metrics["runs"]["base-m1"]["parse_rate"] > 0.7 and metrics["runs"]["base-m3"]["parse_rate"] > 0.4
     base = load_file(str(run / "base" / "model.safetensors"))
-    for arm in ("grpo-s0", "vpo-s0", "grpo_x3-s0"):
+    for arm in ("grpo-s0", "vpo-s0", "grpo_x3-s0", "max_at_k-s0"):
         logs = [r for r in json.loads((run / "arms" / arm / "history.json").read_text()) if "loss" in r]
         assert any(abs(r["loss"]) > 1e-6 for r in logs), (arm, [r["loss"] for r in logs])
         unparsed = sum(r["vpo/frac_unparsed"] for r in logs) / len(logs)
@@ -109,8 +109,8 @@ def test_rerun_redoes_only_what_changed_and_says_why(quick_run: tuple[Path, str]
     out = proc.stdout
     for stage in ("data", "rewards", "base"):
         assert f"[vpo] {stage}: up to date" in out, out[-3000:]
-    for arm in ("grpo-s0", "vpo-s0", "grpo_x3-s0"):
+    for arm in ("grpo-s0", "vpo-s0", "grpo_x3-s0", "max_at_k-s0"):
         assert f"[vpo] train@{arm}: trainer.max_steps changed 4 -> 5; retraining" in out, out[-3000:]
         assert json.loads((run / "arms" / arm / "metrics.json").read_text())["max_steps"] == 5
-    assert "[vpo] evaluate: input train@grpo-s0, train@grpo_x3-s0, train@vpo-s0 changed; running" in out
+    assert "[vpo] evaluate: input train@grpo-s0, train@grpo_x3-s0, train@max_at_k-s0 (+1) changed; running" in out
     assert (run / "base" / "model.safetensors").stat().st_mtime_ns == base_before

@@ -242,6 +242,25 @@ class ArmConfig(_Strict):
         description="token limit of this arm's rollouts (default trainer.max_completion_length); "
         "a set of m answers needs about m times a single answer's budget",
     )
+    max_at_k_k: PositiveInt | None = Field(
+        default=None, description="estimator max_at_k: the k of max@k (default max(2, G // 2), as the authors)"
+    )
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        default="group", description="estimator grpo: TRL's scale_rewards"
+    )
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = Field(
+        default="sum_then_normalize", description="estimator grpo: TRL's multi_objective_aggregation"
+    )
+
+    @model_validator(mode="after")
+    def _estimator_settings(self) -> ArmConfig:
+        if self.max_at_k_k is not None and self.estimator != "max_at_k":
+            raise ValueError(f"max_at_k_k applies to estimator max_at_k only, not {self.estimator!r}")
+        if self.estimator != "grpo" and (self.scale_rewards, self.multi_objective_aggregation) != (
+                "group", "sum_then_normalize"):
+            raise ValueError(f"scale_rewards / multi_objective_aggregation apply to estimator grpo (TRL's GRPO) "
+                             f"only, not {self.estimator!r}")
+        return self
 
     @field_validator("seeds")
     @classmethod
@@ -337,6 +356,11 @@ class EvaluationConfig(_Strict):
     split: str = "test"
     max_problems: PositiveInt | None = None
     seed: int = 0
+    pool: Literal["rollouts", "slots"] = Field(
+        default="rollouts",
+        description="rollouts: best@k of an m-answer policy over ceil(k/m) whole rollouts (the paper's text); "
+        "slots: k answer slots drawn from the flattened pool (the authors' evaluation code)",
+    )
 
     @field_validator("k")
     @classmethod

@@ -29,7 +29,7 @@ DIRECT: dict[str, tuple[str, ...]] = {
         "gradient_accumulation_steps", "logging_steps", "save_steps", "save_total_limit", "bf16",
         "truncated_scores_zero",
     ),
-    "arms": ("estimator", "num_answers"),
+    "arms": ("estimator", "num_answers", "max_at_k_k", "scale_rewards", "multi_objective_aggregation"),
 }
 """Schema fields passed to VPOConfig under the same name (an arm's value for the run's arm)."""
 

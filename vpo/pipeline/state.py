@@ -157,7 +157,8 @@ def why_stale(state: Mapping[str, Any] | None, fp: Fingerprint, base: Path, *, o
         inputs = sorted(k for k in set(state.get("inputs", {})) | set(fp.inputs)
                         if state.get("inputs", {}).get(k) != fp.inputs.get(k))
         if inputs:
-            reasons.append("input " + ", ".join(inputs) + " changed")
+            reasons.append("input " + ", ".join(inputs[:3]) + (f" (+{len(inputs) - 3})" if len(inputs) > 3 else "")
+                           + " changed")
         return "; ".join(reasons) or "request changed"
     for rel, size in (state.get("files") or {}).items():
         p = base / rel

@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,16 +30,41 @@ from vpo.pipeline.storage import atomic_dir, atomic_write_bytes, atomic_write_js
 __all__ = ["policies", "run"]
 
 
-def policies(cfg: PipelineConfig, layout: RunLayout) -> list[tuple[str, str, int, Path, int]]:
-    """(run id, arm name, m, model folder, token limit) for the base (in each answer format the arms
-    use) and every arm run."""
+@dataclass(frozen=True)
+class Policy:
+    """One policy to evaluate: the base in one answer format, or an arm run."""
+
+    rid: str
+    arm: str
+    m: int
+    model_dir: Path
+    max_new_tokens: int
+    goal_conditioned: bool = False
+
+
+def policies(cfg: PipelineConfig, layout: RunLayout) -> list[Policy]:
+    """The base (in each answer format the arms use) and every arm run."""
+    from vpo.advantages import get_estimator
+
     out = []
     for m in sorted({a.num_answers for a in cfg.enabled_arms}):
         limit = max(a.completion_length(cfg.trainer) for a in cfg.enabled_arms if a.num_answers == m)
-        out.append((f"base-m{m}", f"base-m{m}", m, layout.base, limit))
+        out.append(Policy(f"base-m{m}", f"base-m{m}", m, layout.base, limit))
     for r in arm_runs(cfg):
-        out.append((r.rid, r.arm.name, r.arm.num_answers, layout.arm_model(r.rid), r.arm.completion_length(cfg.trainer)))
+        goal = bool(getattr(get_estimator(r.arm.estimator), "row_weights_column", None))
+        out.append(Policy(r.rid, r.arm.name, r.arm.num_answers, layout.arm_model(r.rid),
+                          r.arm.completion_length(cfg.trainer), goal))
     return out
+
+
+def _prompt_fn(task: Any, policy: Policy) -> Any:
+    """A goal-conditioned policy is evaluated as the authors do, shown the deployment weighting w*."""
+    if not policy.goal_conditioned:
+        return None
+    from vpo.advantages import goal_prompt
+
+    w_star, names = task.reward.w_star(), list(task.reward.names)
+    return lambda row, m: goal_prompt(task.format_prompt(row, m), w_star, names)
 
 
 def _aggregate(per_run: Mapping[str, Mapping[str, Any]], groups: Mapping[str, list[str]],
@@ -90,6 +116,15 @@ def _oracle(task: Any, rows: Sequence[Mapping[str, Any]], ks: Sequence[int]) -> 
     curves = np.array([curve_fn(r, max(ks)) for r in rows])
     return {"prompt_only_best_at_k": {str(k): float(curves[:, k - 1].mean()) for k in ks},
             "full_information": float(np.mean([task.best_scalar(r) for r in rows]))}
+
+
+def _pool_line(pool: str) -> str:
+    """Which best@k protocol a table uses (every table says it)."""
+    if pool == "slots":
+        return ("best@k over k answer slots drawn from the flattened pool of all rollouts' answers (the "
+                "authors' evaluation code), exact expectation.\n\n")
+    return ("best@k over whole rollouts: an m-answer policy gets ceil(k/m) rollouts, the last one its first "
+            "k mod m answers (the paper's protocol), exact expectation.\n\n")
 
 
 def _oracle_line(oracle: Mapping[str, Any] | None, ks: Sequence[int]) -> str:
@@ -166,21 +201,21 @@ def run(ctx: StageContext) -> dict[str, Any]:
     per_run: dict[str, Any] = {}
     groups: dict[str, list[str]] = {}
     todo = policies(cfg, layout)
-    for rid, _, _, model_dir, _ in todo:  # every input checked before hours of sampling start
-        fix = (f"rebuild it with `{stage_command(cfg, 'base')}`" if rid.startswith("base")
-               else f"retrain it with `{stage_command(cfg, 'train', rid)}`")
-        check_model_dir(model_dir, f"policy {rid}", fix)
+    for p in todo:  # every input checked before hours of sampling start
+        fix = (f"rebuild it with `{stage_command(cfg, 'base')}`" if p.rid.startswith("base")
+               else f"retrain it with `{stage_command(cfg, 'train', p.rid)}`")
+        check_model_dir(p.model_dir, f"policy {p.rid}", fix)
     with atomic_dir(layout.eval) as tmp:  # the old eval/ stays whole until every file of the new one is written
         (tmp / "vectors").mkdir()
-        for rid, arm, m, model_dir, limit in tqdm(todo, desc="evaluate", unit="policy", disable=not ctx.progress):
+        for p in tqdm(todo, desc="evaluate", unit="policy", disable=not ctx.progress):
             t0 = time.time()
-            res, vectors = evaluate_policy(task, str(model_dir), rows, m=m, n_samples=ev.n_samples, ks=ev.k,
-                                           temperature=ev.temperature, max_new_tokens=limit, seed=ev.seed,
-                                           num_weights=ev.num_weights)
+            res, vectors = evaluate_policy(task, str(p.model_dir), rows, m=p.m, n_samples=ev.n_samples, ks=ev.k,
+                                           temperature=ev.temperature, max_new_tokens=p.max_new_tokens, seed=ev.seed,
+                                           num_weights=ev.num_weights, pool=ev.pool, prompt_fn=_prompt_fn(task, p))
             res["seconds"] = round(time.time() - t0, 1)
-            _save_npy(tmp / "vectors" / layout.eval_vectors(rid).name, vectors)
-            per_run[rid] = res
-            groups.setdefault(arm, []).append(rid)
+            _save_npy(tmp / "vectors" / layout.eval_vectors(p.rid).name, vectors)
+            per_run[p.rid] = res
+            groups.setdefault(p.arm, []).append(p.rid)
         # a run "collapsed to one strategy" when its reward-space diversity fell below a tenth of the
         # base model's (absolute 0.1 without a base evaluation)
         base_div = [r["reward_diversity"] for rid, r in per_run.items() if rid.startswith("base")]
@@ -189,15 +224,15 @@ def run(ctx: StageContext) -> dict[str, Any]:
         ks = [k for k in ev.k if all(str(k) in r["best_at_k"] for r in per_run.values())]
         oracle = _oracle(task, rows, ks)
         metrics = {"pipeline": cfg.name, "variant": cfg.variant, "quick": cfg.quick, "n_problems": len(rows),
-                   "n_samples": ev.n_samples, "k": list(ev.k), "collapse_threshold": collapse, "arms": agg,
-                   "runs": per_run, "oracle": oracle}
+                   "n_samples": ev.n_samples, "k": list(ev.k), "pool": ev.pool, "collapse_threshold": collapse,
+                   "arms": agg, "runs": per_run, "oracle": oracle}
         atomic_write_json(tmp / layout.eval_metrics.name, metrics)
         curves = [{"arm": arm, "k": int(k), "best_at_k": e["best_at_k"][str(k)]["mean"],
                    "expected_weighted_best_at_k": e["expected_weighted_best_at_k"][str(k)]["mean"],
                    "pass_at_k": e["pass_at_k"][str(k)]["mean"]} for arm, e in agg.items() for k in ks]
         atomic_write_json(tmp / layout.eval_curves.name, curves)
         atomic_write_json(tmp / layout.eval_summary.name, _summary(agg, ks))
-        table = _table(agg, ks) + _oracle_line(oracle, ks)
+        table = _pool_line(ev.pool) + _table(agg, ks) + _oracle_line(oracle, ks)
         atomic_write_text(tmp / layout.eval_table.name, table)
         _plot(agg, ks, tmp / layout.eval_plot.name, f"{cfg.variant}: held-out {ev.split}, {len(rows)} problems",
               oracle)

@@ -73,7 +73,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         if rid.startswith("base"):
             continue
         scal = scalarise(read_npy(layout.eval_vectors(rid), fix), w_star)
-        best = pool_best_at_k(scal, min(k_max, scal.shape[1] * scal.shape[2]))
+        best = pool_best_at_k(scal, min(k_max, scal.shape[1] * scal.shape[2]), pool=ev.get("pool", "rollouts"))
         per_arm[rid] = {str(r["id"]): float(b) / target[str(r["id"])] for r, b in zip(rows, np.atleast_1d(best))}
     # the named "hardest" subset: no arm reaches the best achievable score at best@k_max (hardest first);
     # the search takes it first, then the next hardest by mean best@k_max, up to n_problems

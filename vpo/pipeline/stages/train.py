@@ -36,7 +36,6 @@ from vpo.pipeline.settings import check_hardware, vpo_config_kwargs
 from vpo.pipeline.state import read_state, why_stale, write_state
 from vpo.pipeline.storage import atomic_dir, atomic_write_json
 from vpo.rewards import VectorReward
-from vpo.tasks import Task
 
 __all__ = ["CHILD_ENV", "ProgressFileCallback", "run"]
 
@@ -66,14 +65,24 @@ class ProgressFileCallback(TrainerCallback):
         os.replace(tmp, self.path)
 
 
-def _dataset(task: Task, rows: Sequence[Mapping[str, Any]], m: int) -> Any:
+def _dataset(ctx: StageContext, rows: Sequence[Mapping[str, Any]]) -> Any:
+    """The training rows as a HF dataset: the task's prompt for the arm's answer format (for
+    goal-conditioned GRPO with the row's goal weighting written into it and kept as a column),
+    nested fields as JSON text."""
     from datasets import Dataset
 
+    from vpo.advantages import get_estimator, goal_condition_rows
+
+    task, run = ctx.task, ctx.arm_run
     records = []
     for r in rows:
         rec = {k: (json.dumps(v) if isinstance(v, (dict, list)) and k != "prompt" else v) for k, v in r.items()}
-        rec["prompt"] = task.format_prompt(r, m)
+        rec["prompt"] = task.format_prompt(r, run.arm.num_answers)
         records.append(rec)
+    if getattr(get_estimator(run.arm.estimator), "row_weights_column", None):  # goal-conditioned GRPO
+        records = goal_condition_rows(records, list(task.reward.names), seed=run.seed,
+                                      alpha=ctx.cfg.trainer.weight_alpha,
+                                      present=lambda rec: task.reward.present(_decode_row(rec)))
     return Dataset.from_list(records)
 
 
@@ -226,7 +235,7 @@ def train(ctx: StageContext) -> dict[str, Any]:
 
         callbacks.append(DVCLiveCallback(live=Live(dir=str(layout.arm_live(rid)), save_dvc_exp=False, dvcyaml=None,
                                                    report=None)))
-    dataset = _dataset(ctx.task, load_rows(cfg, "train", layout), run.arm.num_answers)
+    dataset = _dataset(ctx, load_rows(cfg, "train", layout))
     _check_prompt_lengths(ctx, tok, dataset)
     trainer = VPOTrainer(model=model, reward=RowDecodingReward(ctx.task.reward), args=args, train_dataset=dataset,
                          processing_class=tok, callbacks=callbacks)
