@@ -367,10 +367,9 @@ def test_s3_interrupted_upload_leaves_no_entry_and_resumes(
     assert len(listing) == 2 and not any("entries/" in o["Key"] for o in listing)
     opened.clear()
     entry = register(url, ckpt, name="route")  # retry uploads only what is missing (re-hashed)
-    # config.json survived the first attempt intact and is not uploaded again; the card is new
-    # (it names this attempt's registration time), the other two were never uploaded
+    # the card and config.json survived the first attempt intact and are not uploaded again
     uploaded = sorted(p.rsplit("/", 1)[1] for p in opened)
-    assert uploaded == ["README.md", "model.safetensors", "tokenizer_config.json"] and len(entry.files) == 4
+    assert uploaded == ["model.safetensors", "tokenizer_config.json"] and len(entry.files) == 4
     verify_entry(entry)
 
 

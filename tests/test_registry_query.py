@@ -472,6 +472,18 @@ def test_model_card_states_task_estimator_m_k_metrics_and_lineage(tmp_path: Path
     assert f"base model content hash: `{content_hash(base)}`" in card
     assert "num_weights: 100" in card  # the params, in full
     assert registry.hash_checkpoint(reg / "objects" / entry.hash)[0] == entry.hash  # the card is not hashed
+    again = register(
+        tmp_path / "reg2",
+        ckpt,
+        name="route",
+        arm="vpo-s0",
+        params=params,
+        metrics=entry.metrics,
+        lineage={k: v for k, v in entry.lineage.items() if k != "base_hash"},
+        base_hash=content_hash(base),
+    )
+    assert again.hash == entry.hash and again.created_at  # a second registry, another registration time
+    assert (tmp_path / "reg2" / "objects" / entry.hash / "README.md").read_text() == card  # no timestamps
     assert next(f for f in entry.files if f.path == "README.md").role == "card"
 
 

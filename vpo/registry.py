@@ -545,8 +545,9 @@ def _card_facts(entry: RegistryEntry) -> dict[str, Any]:
 
 def render_card(entry: RegistryEntry) -> str:
     """The Hugging Face style model card (YAML front matter + markdown) of ``entry``: task,
-    estimator, m, K, metrics, lineage (base hash, git rev, dvc.lock hash, params). Deterministic
-    in the entry's fields (never its own card record or total size), so a lost card can be re-made."""
+    estimator, m, K, metrics, lineage (base hash, git rev, dvc.lock hash, params). A function of the
+    entry's content, never of its registration time, own card record or total size: a lost card can
+    be re-made, and a retried registration re-uses the card an interrupted one uploaded."""
     import yaml
 
     facts = _card_facts(entry)
@@ -588,7 +589,6 @@ def render_card(entry: RegistryEntry) -> str:
             "git_rev": entry.git_rev,
             "git_dirty": entry.git_dirty,
             "dvc_lock_sha256": entry.dvc_lock_sha256,
-            "registered_at": entry.created_at,
         },
     }
     if index_metrics:
@@ -659,7 +659,7 @@ def render_card(entry: RegistryEntry) -> str:
         final = train.get("final") if isinstance(train.get("final"), Mapping) else {}
         bits = [
             f"{k}: {_fmt(train.get(k))}"
-            for k in ("max_steps", "num_generations", "train_seconds", "resumed_from")
+            for k in ("max_steps", "num_generations", "resumed_from")
             if k in train
         ]
         bits += [
@@ -675,7 +675,6 @@ def render_card(entry: RegistryEntry) -> str:
         f"- git revision: `{entry.git_rev or 'unknown'}`"
         + (" (uncommitted changes)" if entry.git_dirty else ""),
         f"- dvc.lock sha256: `{entry.dvc_lock_sha256 or 'none'}`",
-        f"- registered: {entry.created_at}",
         "",
         "| file | role | bytes | sha256 |",
         "|---|---|---|---|",
