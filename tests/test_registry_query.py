@@ -182,6 +182,32 @@ def test_reregistering_an_intact_copy_repairs_corrupt_and_missing_objects(tmp_pa
     assert not [p for p in objects.iterdir() if p.name.startswith(".")]  # no temp files left
 
 
+def test_losing_a_registration_race_leaves_the_winners_objects(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two registrations of the same content with different metrics: the one whose entry lands
+    first wins, and the loser's card (written over the winner's) is put back to the winner's."""
+    reg = tmp_path / "reg"
+    real_put = registry._Store.put_new_local
+    winner: list = []
+    started: list[bool] = []
+
+    def winner_first(self, digest, files, fills):
+        if not started:  # the other writer registers everything while this one is about to copy
+            started.append(True)
+            ckpt = make_checkpoint(tmp_path / "w")
+            winner.append(register(reg, ckpt, name="route", arm="vpo-s0", metrics=eval_metrics({1: 0.9})))
+        return real_put(self, digest, files, fills)
+
+    monkeypatch.setattr(registry._Store, "put_new_local", winner_first)
+    got = register(
+        reg, make_checkpoint(tmp_path / "l"), name="route", arm="vpo-s0", metrics=eval_metrics({1: 0.1})
+    )
+    assert got == winner[0] and metric_value(got, "eval.best_at_k.1") == 0.9
+    verify_entry(got)  # the card on disk is the winner's
+    assert "| best@k | 0.9 |" in (reg / "objects" / got.hash / "README.md").read_text()
+
+
 def test_repair_refuses_objects_it_has_no_identical_copy_of(tmp_path: Path) -> None:
     reg = tmp_path / "reg"
     entry = register(reg, make_checkpoint(tmp_path / "a"), name="route")

@@ -1093,8 +1093,8 @@ def register(
         store.replace_file(store.entry_path(digest), text.encode())
     elif not store.create_entry(digest, text):
         winner = store.read_entry(digest)
-        if winner is not None:
-            return winner
+        if winner is not None:  # a concurrent registration of the same content won: objects as its entry says
+            return _reuse(store, winner, src, source, name=name, arm=arm)
     if left_out:
         log.info("registry: not stored (run-specific, not model files): %s", ", ".join(left_out))
     log.info(
