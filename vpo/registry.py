@@ -70,6 +70,7 @@ __all__ = [
     "content_hash",
     "demote",
     "fetch",
+    "file_role",
     "get_entry",
     "hash_checkpoint",
     "latest_entry",
