@@ -42,7 +42,7 @@ except ModuleNotFoundError:  # tests/ imported as a package
 from flows import plan as fplan
 from flows import report, tasks
 from flows import retrain as rt
-from vpo.pipeline.registry import list_entries, verify_entry
+from vpo.pipeline.registry import content_hash, list_entries, verify_entry
 from vpo.pipeline.storage import scan_for_secrets, secret_values
 
 QUICK_LABELS = {"data", "rewards", "base", "train@grpo-s0", "train@vpo-s0", "train@grpo_x3-s0", "train@max_at_k-s0",
@@ -349,9 +349,9 @@ def test_registry_holds_every_checkpoint_with_lineage(quick_flow: FlowResult) ->
         assert e.lineage["estimator"] == {"grpo-s0": "grpo", "vpo-s0": "vpo", "grpo_x3-s0": "grpo", "max_at_k-s0": "max_at_k"}[e.arm]
         assert e.params["trainer"]["max_steps"] == 4 and "best_at_k" in e.metrics["eval"]
         model = repo / "runs" / "route-quick" / "arms" / str(e.arm) / "model"
-        assert sorted(f.path for f in e.files) == sorted(
-            p.relative_to(model).as_posix() for p in model.rglob("*") if p.is_file()
-        )
+        model_files = {p.relative_to(model).as_posix() for p in model.rglob("*") if p.is_file()}
+        assert sorted(f.path for f in e.files) == sorted((model_files - set(e.left_out)) | {"README.md"})
+        assert e.lineage["base_hash"] == content_hash(repo / "runs" / "route-quick" / "base")
 
 
 @pytest.mark.slow

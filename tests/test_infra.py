@@ -470,5 +470,4 @@ def test_serve_script_fetches_registered_checkpoint_first() -> None:
     assert dest.endswith("/abc123def") and serve_part.split()[2] == dest
     from vpo.pipeline.registry import main
 
-    with pytest.raises(SystemExit):  # the fetch arguments are the module CLI's
-        main(fetch_argv[4:] + ["--help"])  # `vpo registry ARGS` is the registry module's CLI
+    assert main(fetch_argv[4:] + ["--help"]) == 0  # `vpo registry ARGS` is the registry module's CLI

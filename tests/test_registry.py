@@ -63,6 +63,14 @@ def tree(root: Path) -> dict[str, bytes]:
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+MODEL_FILES = {"config.json", "model.safetensors", "tokenizer_config.json"}  # of make_checkpoint
+
+
+def stored_tree(ckpt: Path) -> dict[str, bytes]:
+    """What the registry stores of ``ckpt``: its model files (no run-specific ones) and the card."""
+    return {k: v for k, v in tree(ckpt).items() if k in MODEL_FILES}
+
+
 # --------------------------------------------------------------------------- checkpoint checks
 
 
@@ -104,20 +112,32 @@ def test_missing_folder_and_sharded_checkpoint(tmp_path: Path) -> None:
     check_checkpoint(ckpt)  # complete: the index's shard exists
 
 
-def test_hash_covers_paths_and_bytes(tmp_path: Path) -> None:
+def test_hash_covers_weight_and_tokenizer_files_only(tmp_path: Path) -> None:
     a = make_checkpoint(tmp_path / "a")
     b = make_checkpoint(tmp_path / "b")
     digest, files = hash_checkpoint(a)
-    assert digest == hash_checkpoint(b)[0]  # same content elsewhere: same hash
+    assert digest == hash_checkpoint(b)[0] == registry.content_hash(a)  # same content elsewhere: same hash
     assert [f.path for f in files] == sorted(f.path for f in files)
-    assert {f.path for f in files} == {
-        "config.json",
-        "extra/trainer_state.json",
-        "model.safetensors",
-        "tokenizer_config.json",
+    assert {(f.path, f.role) for f in files} == {
+        ("config.json", "config"),
+        ("model.safetensors", "weights"),
+        ("tokenizer_config.json", "tokenizer"),
     }
+    expected = hashlib.sha256()
+    for f in files:
+        if f.path != "config.json":
+            expected.update(
+                f"{f.path}\0{f.size}\0{hashlib.sha256((a / f.path).read_bytes()).hexdigest()}\n".encode()
+            )
+    assert digest == expected.hexdigest()  # the manifest of weights + tokenizer, nothing else
     (b / "extra" / "trainer_state.json").rename(b / "extra" / "state.json")
-    assert hash_checkpoint(b)[0] != digest  # a renamed file changes the hash
+    (b / "training_args.bin").write_bytes(str(b).encode())  # run-specific: absolute path inside
+    (b / "config.json").write_text(json.dumps({"model_type": "tiny", "seed": 0, "use_cache": False}))
+    assert hash_checkpoint(b)[0] == digest  # run-specific files and the config are not hashed
+    (b / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 65}))
+    assert hash_checkpoint(b)[0] != digest  # the tokenizer is
+    (a / "model.safetensors").rename(a / "model-00001-of-00001.safetensors")
+    assert hash_checkpoint(a)[0] != digest  # a renamed weight file changes the hash
     c = make_checkpoint(tmp_path / "c")
     data = bytearray((c / "model.safetensors").read_bytes())
     data[100] ^= 1
@@ -149,16 +169,19 @@ def test_register_local_records_lineage_and_round_trips(tmp_path: Path, repo: Pa
     assert entry.dvc_lock_sha256 == hashlib.sha256((repo / "dvc.lock").read_bytes()).hexdigest()
     assert entry.params == {"trainer": {"steps": 4}} and entry.metrics == {"best@5": 0.5}
     assert entry.lineage == {"dataset_md5": "abc", "seed": 0}
-    assert entry.created_at.endswith("Z") and entry.size_bytes == sum(len(b) for b in tree(ckpt).values())
+    card = (reg / "objects" / entry.hash / "README.md").read_bytes()
+    assert entry.created_at.endswith("Z")
+    assert entry.size_bytes == sum(len(b) for b in stored_tree(ckpt).values()) + len(card)
+    assert entry.left_out == ("extra/trainer_state.json",)
     stored = json.loads((reg / "entries" / f"{entry.hash}.json").read_text())
-    assert stored == entry.to_dict()
-    assert tree(reg / "objects" / entry.hash) == tree(ckpt)
+    assert stored == entry.to_dict() and stored["schema"] == 2
+    assert tree(reg / "objects" / entry.hash) == {**stored_tree(ckpt), "README.md": card}
     assert [e.hash for e in list_entries(reg)] == [entry.hash]
     assert list_entries(reg, arm="grpo") == [] and list_entries(reg, name="route", arm="vpo") == [entry]
     assert get_entry(reg, entry.hash[:8]) == entry
     verify_entry(entry)
     dest = fetch(get_entry(reg, entry.hash), tmp_path / "fetched")
-    assert tree(dest) == tree(ckpt)
+    assert tree(dest) == {**stored_tree(ckpt), "README.md": card}
     assert fetch(entry, dest) == dest  # same content already there: no-op
     assert entry.summary()["metric.best@5"] == 0.5
 
@@ -227,7 +250,7 @@ def test_checkpoint_modified_during_registration_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ckpt = make_checkpoint(tmp_path / "ckpt")
-    real_hash = registry.hash_checkpoint
+    real_hash = registry._inspect
 
     def hash_then_writer_appends(path):
         out = real_hash(path)
@@ -235,7 +258,7 @@ def test_checkpoint_modified_during_registration_is_refused(
             fh.write(b"more")
         return out
 
-    monkeypatch.setattr(registry, "hash_checkpoint", hash_then_writer_appends)
+    monkeypatch.setattr(registry, "_inspect", hash_then_writer_appends)
     with pytest.raises(RegistryError, match="changed while it was being registered"):
         register(tmp_path / "reg", ckpt, name="route")
     assert list_entries(tmp_path / "reg") == []
@@ -280,7 +303,7 @@ def test_get_entry_key_errors(tmp_path: Path) -> None:
 def test_module_cli_lists_and_fetches(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     reg = tmp_path / "reg"
     entry = register(reg, make_checkpoint(tmp_path / "ckpt"), name="route", arm="vpo")
-    assert registry.main(["list", "--registry", str(reg)]) == 0
+    assert registry.main(["list", "--registry", str(reg), "--json"]) == 0
     row = json.loads(capsys.readouterr().out.strip())
     assert row["hash"] == entry.hash[:12] and row["arm"] == "vpo"
     assert (
@@ -289,9 +312,9 @@ def test_module_cli_lists_and_fetches(tmp_path: Path, capsys: pytest.CaptureFixt
         )
         == 0
     )
-    assert tree(tmp_path / "d") == tree(tmp_path / "ckpt")
-    assert registry.main(["show", "--registry", str(reg), "--entry", "abcdef0"]) == 1
-    assert "no entry matching" in capsys.readouterr().err
+    assert stored_tree(tmp_path / "d") == stored_tree(tmp_path / "ckpt")
+    assert registry.main(["show", "--registry", str(reg), "--entry", "abcdef0"]) == 2
+    assert "error: no entry matching" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- S3 registry
@@ -312,7 +335,7 @@ def test_register_on_s3_round_trip_and_idempotent(tmp_path: Path, s3_server, s3_
         f.sha256 for f in entry.files if f.path == "model.safetensors"
     )
     assert get_entry(url, entry.hash[:7]) == entry and list_entries(url) == [entry]
-    assert tree(fetch(entry, tmp_path / "out")) == tree(ckpt)
+    assert stored_tree(fetch(entry, tmp_path / "out")) == stored_tree(ckpt)
     again = register(url, make_checkpoint(tmp_path / "copy"), name="other")
     assert again == entry and again.name == "route"
 
@@ -329,9 +352,12 @@ def test_s3_interrupted_upload_leaves_no_entry_and_resumes(
     def flaky_open(self, path, mode="rb", **kw):
         if "w" in mode:
             opened.append(path)
-            if len(opened) == 3:
+            if len(opened) == 3 and not fail_once.get("done"):
+                fail_once["done"] = True
                 raise ConnectionError("connection reset during upload (injected)")
         return real_open(self, path, mode, **kw)
+
+    fail_once: dict[str, bool] = {}
 
     monkeypatch.setattr(type(fs), "open", flaky_open)
     with pytest.raises(ConnectionError):
@@ -340,8 +366,10 @@ def test_s3_interrupted_upload_leaves_no_entry_and_resumes(
     listing = s3_server.client().list_objects_v2(Bucket=s3_bucket).get("Contents", [])
     assert len(listing) == 2 and not any("entries/" in o["Key"] for o in listing)
     opened.clear()
-    entry = register(url, ckpt, name="route")  # retry uploads only what is missing
-    assert len(opened) == 2 and len(entry.files) == 4
+    entry = register(url, ckpt, name="route")  # retry uploads only what is missing (re-hashed)
+    # the card and config.json survived the first attempt intact and are not uploaded again
+    uploaded = sorted(p.rsplit("/", 1)[1] for p in opened)
+    assert uploaded == ["model.safetensors", "tokenizer_config.json"] and len(entry.files) == 4
     verify_entry(entry)
 
 

@@ -169,6 +169,17 @@ def _stage(args: argparse.Namespace, cfg: Any) -> int:
     return 0
 
 
+def _default_registry() -> str | None:
+    """The default pipeline's ``storage.registry`` when a pipelines.yaml is here (else None)."""
+    from vpo.pipeline.config import ConfigError, load_pipeline
+
+    try:
+        cfg = load_pipeline(None, "pipelines.yaml")
+    except ConfigError:
+        return None
+    return cfg.resolve_url(cfg.storage.registry)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     for k, v in _ENV_DEFAULTS.items():
         os.environ.setdefault(k, v)
@@ -185,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cmd == "registry":
         from vpo.pipeline.registry import main as registry_main
 
-        return registry_main(args.rest)
+        return registry_main(args.rest, default_registry=_default_registry(), prog="vpo registry")
     if args.cmd == "dvc":
         from vpo.pipeline.dvcgen import main as dvc_main
 

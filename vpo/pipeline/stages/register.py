@@ -38,7 +38,7 @@ def _entry_dict(entry: Any) -> dict[str, Any]:
 
 def run(ctx: StageContext) -> dict[str, Any]:
     """Register every enabled arm run; writes ``registry.json`` with the entries."""
-    from vpo.pipeline.registry import register
+    from vpo.pipeline.registry import content_hash, register
 
     cfg, layout = ctx.cfg, ctx.layout
     url = cfg.resolve_url(cfg.storage.registry)
@@ -50,13 +50,14 @@ def run(ctx: StageContext) -> dict[str, Any]:
         fix = f"retrain it with `{stage_command(cfg, 'train', r.rid)}`"
         inputs[r.rid] = read_json(layout.arm_metrics(r.rid), fix)
         check_model_dir(layout.arm_model(r.rid), f"arm run {r.rid}", fix)
+    base_hash = content_hash(layout.base)
     entries = []
     for r in arm_runs(cfg):
         entry = register(url, layout.arm_model(r.rid), name=cfg.variant, arm=r.rid, params=cfg.params(),
                          metrics={"train": inputs[r.rid], "eval": evals.get(r.rid, {})},
                          lineage={"estimator": r.arm.estimator, "num_answers": r.arm.num_answers, "seed": r.seed,
-                                  "base": "base", "pipeline": cfg.name, "quick": cfg.quick},
-                         repo_dir=repo_root(cfg.base_dir))
+                                  "pipeline": cfg.name, "quick": cfg.quick, "task": cfg.task.name},
+                         base_hash=base_hash, repo_dir=repo_root(cfg.base_dir))
         entries.append(_entry_dict(entry))
         log(f"register: {r.rid} -> {entries[-1].get('hash', '?')[:12]}")
     info = {"registry": url, "entries": entries}
