@@ -117,9 +117,8 @@ def _parser() -> argparse.ArgumentParser:
     p_dvc = sub.add_parser("dvc", help="regenerate dvc.yaml and params.yaml from pipelines.yaml")
     p_dvc.add_argument("--config", default="pipelines.yaml")
     p_dvc.add_argument("--check", action="store_true", help="exit 1 when a generated file is stale")
-    p_reg = sub.add_parser("registry", help="the checkpoint registry (list, show, best, fetch, promote, verify)",
-                           add_help=False)
-    p_reg.add_argument("rest", nargs=argparse.REMAINDER)
+    sub.add_parser("registry", help="the checkpoint registry: list, show, best, fetch, promote, verify "
+                                    "(`vpo registry --help`)")
     sub.add_parser("pipelines", help="list pipelines").add_argument("--config", default="pipelines.yaml")
     return ap
 
@@ -183,6 +182,11 @@ def _default_registry() -> str | None:
 def main(argv: Sequence[str] | None = None) -> int:
     for k, v in _ENV_DEFAULTS.items():
         os.environ.setdefault(k, v)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["registry"]:  # the registry's own CLI takes every argument after it (--help included)
+        from vpo.pipeline.registry import main as registry_main
+
+        return registry_main(argv[1:], default_registry=_default_registry(), prog="vpo registry")
     args = _parser().parse_args(argv)
     if args.cmd == "pipelines":
         from vpo.pipeline.config import ConfigError, load_all
@@ -193,10 +197,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ConfigError as exc:
             _fail(str(exc))
         return 0
-    if args.cmd == "registry":
-        from vpo.pipeline.registry import main as registry_main
-
-        return registry_main(args.rest, default_registry=_default_registry(), prog="vpo registry")
     if args.cmd == "dvc":
         from vpo.pipeline.dvcgen import main as dvc_main
 
