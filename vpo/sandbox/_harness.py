@@ -1082,7 +1082,8 @@ def child_main(cfg: dict) -> int:
     if prot["caps"] not in ("0000000000000000",):
         prot["warnings"].append(f"capabilities left: {prot['caps']}")
     # what is hidden is checked from inside, as the sandbox's own user
-    unhidden = [p for p in cfg.get("hide_required", ()) if not _is_hidden(p)]
+    required = cfg.get("hide_required", ())
+    unhidden = [p for p in required if (os.path.lexists(p) if mode == "none" else not _is_hidden(p))]
     if unhidden:
         why = "no private filesystem view (namespaces unavailable)" if mode == "none" else "still readable"
         _send({"ev": "fatal", "msg": f"cannot hide {unhidden[0]}: {why}", "prot": prot, "config": True})

@@ -667,9 +667,10 @@ class _Proc:
         if not self.exited:
             self.z.kill_current()
 
-    def finish(self, kill: bool) -> None:
+    def finish(self, kill: bool, discard: bool = False) -> None:
         """End the process (EOF on its command pipe, or SIGKILL) and hand the zygote back only
-        when its state is known: the exit status arrived and nothing else is pending."""
+        when its state is known: the exit status arrived and nothing else is pending (and the
+        caller did not ask to ``discard`` it, after an unexpected failure)."""
         if self.done:
             return
         self.done = True
@@ -693,7 +694,7 @@ class _Proc:
                 r, _, _ = select.select([self.z.sock], [], [], left)
                 if r:
                     self._read_zygote()
-            clean = self.z.alive and not self.z.has_msg()
+            clean = self.z.alive and not self.z.has_msg() and not discard
         except Exception as exc:  # noqa: BLE001 - whatever happened, this zygote is not reused
             log.warning("vpo.sandbox: fork server in an unknown state (%s); replacing it", exc)
         finally:
@@ -759,10 +760,10 @@ class _JobRun:
             if r is None:
                 self.results[i] = TestResult(status, 0.0, detail)
 
-    def close(self, kill: bool = False) -> None:
+    def close(self, kill: bool = False, discard: bool = False) -> None:
         for proc in (self.c, self.j):
             if proc is not None:
-                proc.finish(kill=kill)
+                proc.finish(kill=kill, discard=discard)
         self.c = self.j = None
 
     # -- driver
@@ -787,8 +788,8 @@ class _JobRun:
         except _Stop as stop:
             self.fill(stop.status, stop.detail)
             ok = True
-        finally:
-            self.close(kill=not ok)
+        finally:  # after an unexpected failure the fork servers' state is unknown: never reused
+            self.close(kill=not ok, discard=not ok)
         return self.result()
 
     def _limit(self) -> float:
@@ -1238,7 +1239,7 @@ class Sandbox:
             raise
         except Exception as exc:  # noqa: BLE001 - a bug here must not lose the other candidates' verdicts
             log.exception("vpo.sandbox: internal error while running a candidate; its remaining tests are errors")
-            run.close(kill=True)
+            run.close(kill=True, discard=True)
             run.fill(Status.ERROR, f"internal sandbox error: {type(exc).__name__}: {exc}"[:500])
             return run.result()
 
