@@ -253,6 +253,7 @@ def _lib():
         lib.unshare.argtypes = [ctypes.c_int]
         lib.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
         lib.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+        lib.setns.argtypes = [ctypes.c_int, ctypes.c_int]
         lib.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
         _libc = lib
     return _libc
@@ -308,6 +309,14 @@ def pivot_root(new: str, old: str) -> None:
 
 def prctl(option: int, arg: int) -> None:
     _check(_lib().prctl(option, arg, 0, 0, 0), f"prctl {option}")
+
+
+def set_name(name: str) -> None:
+    """The process name shown by ps/top (PR_SET_NAME); best effort."""
+    try:
+        _lib().prctl(15, ctypes.cast(ctypes.c_char_p(name.encode()[:15]), ctypes.c_void_p).value or 0, 0, 0, 0)
+    except Exception:  # noqa: BLE001 - cosmetic
+        pass
 
 
 def drop_capabilities() -> None:
@@ -417,21 +426,30 @@ def seccomp_program(machine: str = MACHINE) -> list[tuple[int, int, int, int]]:
     return out
 
 
+_SECCOMP_BUILT: list = []  # (filter array, fprog): built once in the zygote, shared by every sandbox
+
+
+def _seccomp_fprog() -> tuple[object, object]:
+    if not _SECCOMP_BUILT:
+        prog = seccomp_program()
+
+        class SockFilter(ctypes.Structure):
+            _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint32)]
+
+        class SockFprog(ctypes.Structure):
+            _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
+
+        arr = (SockFilter * len(prog))(*[SockFilter(*ins) for ins in prog])
+        _SECCOMP_BUILT[:] = [arr, SockFprog(len(prog), ctypes.cast(arr, ctypes.POINTER(SockFilter)))]
+    return _SECCOMP_BUILT[0], _SECCOMP_BUILT[1]
+
+
 def install_seccomp() -> int:
     """Install :func:`seccomp_program` for this process and its future children (needs
     no_new_privs or CAP_SYS_ADMIN). Returns the number of instructions."""
-    prog = seccomp_program()
-
-    class SockFilter(ctypes.Structure):
-        _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint32)]
-
-    class SockFprog(ctypes.Structure):
-        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
-
-    arr = (SockFilter * len(prog))(*[SockFilter(*ins) for ins in prog])
-    fprog = SockFprog(len(prog), ctypes.cast(arr, ctypes.POINTER(SockFilter)))
+    _arr, fprog = _seccomp_fprog()
     _check(_lib().prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(fprog), 0, 0), "seccomp")
-    return len(prog)
+    return fprog.len
 
 
 # ----------------------------------------------------------------------------------------------
@@ -491,6 +509,8 @@ def _interpreter_paths() -> dict:
 
 
 INTERP: dict = {}
+NETNS = ["sandbox"]  # "zygote" when this fork server already is in its own empty network namespace
+WORKDIR = [""]  # the work directory of a sandbox without a mount namespace (made and removed by the zygote)
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
@@ -612,15 +632,36 @@ def _warm_up() -> None:
     wire = json.dumps({"ev": "end", "i": 0, "st": "ok", "val": encode_value(ns["f"](3))})
     decode_value(json.loads(wire)["val"])
     if MACHINE in _SYSCALLS:
-        seccomp_program()
+        _seccomp_fprog()
     gc.collect()
     gc.freeze()
 
 
-def zygote_main(sock_fd: int) -> None:
+def _direct_pid_namespaces() -> int | None:
+    """As root: a descriptor of this process's pid namespace if it can give its next child a new
+    pid namespace (unshare) and then return to its own (setns); None otherwise."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        fd = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        unshare(CLONE_NEWPID)
+        _check(_lib().setns(fd, CLONE_NEWPID), "setns")
+        return fd
+    except OSError:
+        os.close(fd)
+        return None
+
+
+def zygote_main(sock_fd: int, namespaces: str = "auto") -> None:
     """Serve RUN requests forever: fork one sandbox per request, report its pid and exit status.
-    A request carries no payload, only descriptors, so this process never holds candidate data."""
+    A request carries no payload, only descriptors, so this process never holds candidate data.
+    As root, the sandbox is forked directly as pid 1 of a new pid namespace (this process then
+    returns to its own); otherwise an intermediate process creates the namespaces."""
     sock = socket.socket(fileno=sock_fd)
+    set_name("vpo-zygote")
     for name in PRELOAD:
         __import__(name)
     _lib()
@@ -630,8 +671,21 @@ def zygote_main(sock_fd: int) -> None:
         subreaper = True
     except OSError:
         subreaper = False
+    # As root, this fork server moves into an empty network namespace once: its sandboxes (one at
+    # a time) share it instead of each creating and tearing down their own (a costly kernel
+    # operation). Nothing carries over from one to the next: no device but a down loopback, no
+    # capability to configure one, only AF_INET/AF_INET6 sockets (seccomp), all closed when a
+    # sandbox's processes die.
+    if os.geteuid() == 0 and namespaces != "off":
+        try:
+            unshare(CLONE_NEWNET)
+            NETNS[0] = "zygote"
+        except OSError:
+            pass
+    own_pidns = _direct_pid_namespaces() if namespaces != "off" else None
     _warm_up()
-    _send_line(sock, {"hello": 1, "pid": os.getpid(), "euid": os.geteuid(), "interp": INTERP,
+    _send_line(sock, {"hello": 1, "pid": os.getpid(), "euid": os.geteuid(), "interp": INTERP, "netns": NETNS[0],
+                      "direct": own_pidns is not None,
                       "subreaper": subreaper, "python": sys.version.split()[0], "machine": MACHINE})
     zpid = os.getpid()
     while True:
@@ -651,24 +705,42 @@ def zygote_main(sock_fd: int) -> None:
             for fd in fds:
                 os.close(fd)
             continue  # a late KILL for a finished run, or junk
+        direct = own_pidns is not None
+        if not direct or namespaces == "off":  # a sandbox that may end up without a private /tmp
+            import tempfile
+            WORKDIR[0] = tempfile.mkdtemp(prefix="vpo-sbx-")
         try:
+            if direct:
+                unshare(CLONE_NEWPID)  # for the next child only
             pid = os.fork()
         except OSError as exc:
-            for fd in fds:
-                os.close(fd)
-            _send_line(sock, {"error": f"fork failed: {exc}"})
-            continue
+            pid = -1
+            error = f"fork failed: {exc}"
         if pid == 0:
             code = 70
             try:
-                code = sandbox_main(fds, zpid)
+                code = direct_main(fds) if direct else sandbox_main(fds, zpid)
             finally:
                 os._exit(code)
+        if direct and _lib().setns(own_pidns, CLONE_NEWPID) != 0:  # back to our own for the next request
+            os.abort()  # cannot happen (entering one's own pid namespace); never fork into a stale one
+        if pid < 0:
+            for fd in fds:
+                os.close(fd)
+            if WORKDIR[0]:
+                os.rmdir(WORKDIR[0])
+                WORKDIR[0] = ""
+            _send_line(sock, {"error": error})
+            continue
         for fd in fds:
             os.close(fd)
         _send_line(sock, {"pid": pid})
         status, gone = _wait_child(pid, sock)
         killed = _reap_orphans()
+        if WORKDIR[0]:
+            import shutil
+            shutil.rmtree(WORKDIR[0], ignore_errors=True)
+            WORKDIR[0] = ""
         if gone:
             break
         _send_line(sock, {"exit": _status_code(status), "orphans_killed": killed})
@@ -709,17 +781,9 @@ def _read_payload(fd: int) -> bytes:
     return b"".join(chunks)
 
 
-def sandbox_main(fds: list[int], zpid: int) -> int:
-    """Runs in H (forked from the zygote). ``fds``: event pipe (write end), payload memfd,
-    command pipe (read end). Returns H's exit code."""
-    t_fork = time.time()
-    os.setsid()
-    try:
-        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass
-    if os.getppid() != zpid:
-        return 71
+def _take_payload(fds: list[int]) -> dict:
+    """Read the payload from its memfd; the event pipe becomes fd 3, the command pipe fd 4,
+    stdio /dev/null, every other descriptor is closed."""
     ev_fd, payload_fd, cmd_fd = fds
     payload = _read_payload(payload_fd)
     ev_hi = fcntl.fcntl(ev_fd, fcntl.F_DUPFD, 10)
@@ -730,8 +794,45 @@ def sandbox_main(fds: list[int], zpid: int) -> int:
     os.dup2(ev_hi, 3)
     os.dup2(cmd_hi, 4)
     _close_fds_from(5)
-    cfg = json.loads(payload)
-    del payload
+    return json.loads(payload)
+
+
+def direct_main(fds: list[int]) -> int:
+    """Runs in C forked by the zygote (as root) as pid 1 of a new pid namespace: the remaining
+    namespaces, then :func:`child_main`. Returns C's exit code."""
+    t_fork = time.time()
+    os.setsid()
+    try:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+    cfg = _take_payload(fds)
+    flags = CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS | (0 if NETNS[0] == "zygote" else CLONE_NEWNET)
+    errors = []
+    try:
+        unshare(flags)
+        mode = "root"
+    except OSError as exc:  # pragma: no cover - root without mount namespaces
+        errors.append(str(exc))
+        mode = "none"
+    t = time.time()
+    cfg.update({"_mode": mode, "_ns_errors": errors, "_t": [t_fork, t], "_workdir": WORKDIR[0]})
+    return child_main(cfg)
+
+
+def sandbox_main(fds: list[int], zpid: int) -> int:
+    """Runs in H (forked from the zygote). ``fds``: event pipe (write end), payload memfd,
+    command pipe (read end). Returns H's exit code."""
+    t_fork = time.time()
+    set_name("vpo-sbx-init")
+    os.setsid()
+    try:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+    if os.getppid() != zpid:
+        return 71
+    cfg = _take_payload(fds)
     ns = cfg["namespaces"]
     mode = "none"
     flags = CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
@@ -739,7 +840,7 @@ def sandbox_main(fds: list[int], zpid: int) -> int:
     if ns != "off":
         if os.geteuid() == 0:
             try:
-                unshare(flags)
+                unshare(flags & ~CLONE_NEWNET if NETNS[0] == "zygote" else flags)
                 mode = "root"
             except OSError as exc:
                 errors.append(str(exc))
@@ -759,11 +860,7 @@ def sandbox_main(fds: list[int], zpid: int) -> int:
     cfg["_mode"] = mode
     cfg["_ns_errors"] = errors
     cfg["_t"] = [t_fork, time.time()]
-    workdir = None
-    if mode == "none":
-        import tempfile
-        workdir = tempfile.mkdtemp(prefix="vpo-sbx-")
-        cfg["_workdir"] = workdir
+    cfg["_workdir"] = WORKDIR[0]
     pid = os.fork()
     if pid == 0:
         code = 72
@@ -776,9 +873,6 @@ def sandbox_main(fds: list[int], zpid: int) -> int:
     os.close(3)
     os.close(4)
     _, status = os.waitpid(pid, 0)
-    if workdir is not None:
-        import shutil
-        shutil.rmtree(workdir, ignore_errors=True)
     if os.WIFSIGNALED(status):
         return 128 + os.WTERMSIG(status)
     return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 74
@@ -1020,8 +1114,11 @@ def child_main(cfg: dict) -> int:
     """Runs in C: finish isolation, then serve the parent's requests. Returns C's exit code."""
     mode = cfg["_mode"]
     cfg["_t"].append(time.time())
+    set_name("vpo-judge" if cfg.get("role") == "judge" else "vpo-sandbox")
     prot: dict = {"mode": mode, "role": cfg.get("role", "candidate"), "warnings": list(cfg.get("_ns_errors", ())),
-                  "pidns": mode != "none", "netns": mode != "none", "view": "host", "exposed": [], "not_exposed": [],
+                  "pidns": mode != "none", "netns": mode != "none" or NETNS[0] == "zygote",
+                  "netns_scope": NETNS[0] if mode == "root" or NETNS[0] == "zygote" else ("sandbox" if mode != "none" else None),
+                  "view": "host", "exposed": [], "not_exposed": [],
                   "hidden": [], "readonly_root": False, "nodev": False, "private_tmp": False, "private_proc": False,
                   "uid": None, "caps": "?", "nproc_enforced": False, "keyring": None, "seccomp": False}
     root = os.geteuid() == 0
@@ -1036,8 +1133,11 @@ def child_main(cfg: dict) -> int:
         work = "/tmp/work"
         os.mkdir(work, 0o700)
     else:
-        work = cfg["_workdir"]
+        work = cfg.get("_workdir") or ""
         prot["warnings"].append("no private filesystem view: nothing is hidden")
+        if not work:
+            _send({"ev": "fatal", "msg": "no work directory for a sandbox without namespaces", "prot": prot})
+            return 2
     uid = int(cfg["uid"])
     if root:
         try:
@@ -1464,8 +1564,8 @@ def _describe(exc: BaseException) -> str:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "zygote":
-        zygote_main(int(sys.argv[2]))
+    if len(sys.argv) in (3, 4) and sys.argv[1] == "zygote":
+        zygote_main(int(sys.argv[2]), sys.argv[3] if len(sys.argv) == 4 else "auto")
     else:
-        sys.stderr.write("usage: _harness.py zygote SOCKET_FD\n")
+        sys.stderr.write("usage: _harness.py zygote SOCKET_FD [auto|off]\n")
         sys.exit(2)

@@ -376,12 +376,12 @@ class _ZygoteDied(Exception):
 class _Zygote:
     """One fork-server process and its control socket."""
 
-    def __init__(self, argv: list[str]) -> None:
+    def __init__(self, argv: list[str], namespaces: str = "auto") -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
         try:
             self.proc = subprocess.Popen(
-                [*argv, "zygote", str(child.fileno())],
+                [*argv, "zygote", str(child.fileno()), "off" if namespaces == "off" else "auto"],
                 pass_fds=(child.fileno(),),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
@@ -1147,7 +1147,7 @@ class Sandbox:
             if z.alive and z.proc.poll() is None:
                 return z
             self._discard(z)
-        z = _Zygote(self._argv)
+        z = _Zygote(self._argv, self.config.namespaces)
         with self._lock:
             self._zygotes.append(z)
         return z
