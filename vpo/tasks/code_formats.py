@@ -56,8 +56,10 @@ from vpo.sandbox import TestCase, encode_value
 
 __all__ = [
     "FORMATS",
+    "JUDGE_DEFAULTS",
     "ImportStats",
-    "asserts_to_tests",
+    "assert_tests",
+    "check_program",
     "decode_lcb_tests",
     "detect_format",
     "from_apps",
@@ -66,8 +68,10 @@ __all__ = [
     "from_livecodebench",
     "from_mbpp",
     "from_vpo",
+    "judge_settings",
     "load_problems",
     "normalize_problem",
+    "prompt_helpers",
     "read_records",
 ]
 
