@@ -7,13 +7,17 @@ for the value codec.
 
 Process tree for one sandbox process::
 
-    zygote Z (long-lived, one per worker, child subreaper; never holds candidate data)
-      └─ H   forked per sandbox: reads its payload, new session, unshares pid/mount/net/ipc/uts
-          └─ C   pid 1 of the new pid namespace: minimal root, unprivileged uid, fresh session
-                 keyring, rlimits, seccomp filter; then serves requests from the parent
+    zygote Z (long-lived, child subreaper; never holds candidate data)
+      └─ C   pid 1 of a new pid namespace: reads its payload, unshares mount/ipc/uts(/net),
+             minimal root, unprivileged uid, fresh session keyring, rlimits, seccomp filter;
+             then serves requests from the parent
+
+As root, Z forks C directly into a new pid namespace (unshare(CLONE_NEWPID) for its next child,
+then setns back to its own). Otherwise an intermediate process H is forked, which creates the
+namespaces (a user namespace included) and forks C as pid 1.
 
 Z receives only a fixed-size header and three descriptors per sandbox (event pipe, payload
-memfd, command pipe); the payload (program, tests' settings) is read by H, after the fork, so no
+memfd, command pipe); the payload (program, tests' settings) is read after the fork, so no
 candidate's data is ever in the memory a later sandbox is forked from. C answers one request at
 a time from its command pipe and writes one JSON line per event to its event pipe; the parent
 judges outputs itself, so nothing C says can turn a wrong answer into a pass, and expected

@@ -37,7 +37,7 @@ import numpy as np
 
 from vpo.answers import parse_code_answers, python_ast_key
 from vpo.rewards import VectorReward
-from vpo.sandbox import Job, Sandbox, SandboxConfig, TestCase
+from vpo.sandbox import Job, Sandbox, SandboxConfig, TestCase, default_hide_paths
 from vpo.tasks import Task, register_task
 from vpo.tasks.code_formats import FORMATS, ImportStats, judge_settings, load_problems, select_tests
 
@@ -389,6 +389,7 @@ class CodeTask(Task):
         # the dataset files themselves, by their own paths (never a parent folder: hiding /data
         # to hide /data/x.jsonl is impossible when /data is a system folder, and too much anyway)
         hide = sorted({str(p.resolve()) for ps in self.sources.values() for p in ps}) if hide_source else []
+        default_hide_paths(hide, defaults=False)  # a source that cannot be hidden: ValueError naming it
         self.reward = CodeTestsReward(max_tests=self.max_tests, sandbox=sandbox, hide_paths=hide)
         self.import_stats = ImportStats()
         self._rows: dict[str, list[dict[str, Any]]] | None = None
