@@ -278,6 +278,13 @@ def test_factory_parameters_are_typed_keywords() -> None:
     for name in ("format", "equality", "prelude", "asserts"):
         assert typing.get_origin(hints[name]) is typing.Literal, name
     assert set(typing.get_type_hints(SandboxParams)) == {f.name for f in dataclasses.fields(SandboxConfig)}
+    from pydantic import TypeAdapter, ValidationError
+
+    sandbox = TypeAdapter(SandboxParams)  # what a schema derived from the signature does with it
+    assert sandbox.validate_python({"test_timeout": 2.0, "workers": None}) == {"test_timeout": 2.0, "workers": None}
+    for bad in ({"tset_timeout": 2.0}, {"namespaces": "maybe"}):
+        with pytest.raises(ValidationError):
+            sandbox.validate_python(bad)
     with pytest.raises(ValueError, match="equality"):
         get_task("code", equality="loose")
     with pytest.raises(ValueError, match="problem_timeout"):

@@ -31,9 +31,10 @@ from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Literal, TypedDict, get_args
+from typing import Any, Literal, get_args
 
 import numpy as np
+from typing_extensions import TypedDict  # pydantic (which validates task parameters) needs it before 3.12
 
 from vpo.answers import parse_code_answers, python_ast_key
 from vpo.rewards import VectorReward
@@ -92,6 +93,9 @@ class SandboxParams(TypedDict, total=False):
     rel_tol: float
     abs_tol: float
     prelude: str
+
+
+SandboxParams.__pydantic_config__ = {"extra": "forbid"}  # type: ignore[attr-defined]  # unknown keys: an error
 
 
 def row_judge(row: Mapping[str, Any]) -> dict[str, Any]:
