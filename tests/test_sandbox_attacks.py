@@ -62,6 +62,10 @@ def forge(lines: str) -> str:
 
 
 COLLIDE = "[k * ((1 << 61) - 1) for k in range({n})]"  # ints whose hashes are all 0
+# a judge program with one step calling the candidate in a loop (the right answer is [x])
+JUDGE_LOOP = ("def __vpo_steps__(candidate):\n    try:\n        for x in range(30):\n"
+              "            assert candidate(x) == [x] and candidate(x) is not True\n"
+              "    except BaseException as e:\n        yield e\n    else:\n        yield None\n")
 
 
 def _add_session_key(payload: bytes) -> int | None:
@@ -117,6 +121,14 @@ def attacks(ctx: dict) -> dict[str, Job]:
         "wrong_field_types_forged": job(forge('{"ev": "end", "i": 0, "st": {"ok": 1}, "t": [1], "err": {"a": 1}, '
                                               '"out": 5, "etype": 7}\n'), t(0)),
         "oversized_return": job("def f(x):\n    return 'x' * (3 << 20)\n", t(0)),
+        "deep_load_error_forged": job("import os\nos.write(3, b'{\"ev\": \"load_error\", \"msg\": ' + b'[' * 900"
+                                      " + b']' * 900 + b'}\\n')\nos._exit(0)\ndef f(x):\n    return x\n", t(0)),
+        "deep_value_to_the_judge_forged": Job(forge('{"ev": "end", "i": -1, "st": "ok", "val": ' + "[" * 900 + "]" * 900
+                                                    + "}\n").replace("return x", "return [x]"),
+                                              (TestCase.check(0, "judge step"),), "f", check_code=JUDGE_LOOP),
+        "stale_answers_to_the_judge_forged": Job(forge("".join(f'{{"ev": "end", "i": -{k}, "st": "ok", "val": true}}\n'
+                                                               for k in range(1, 40))),
+                                                 (TestCase.check(0, "judge step"),), "f", check_code=JUDGE_LOOP),
         # --- isolation from other candidates and from the host
         "keyring": job(KEYRING_PROBE.format(nr=NR.get("keyctl", 0)), t(key)),
         "unix_socket_by_path": job(f"""
@@ -285,6 +297,7 @@ CONTROLS = {
                         equality="exact", prelude=""),
     "honest_stdio": Job("print(sum(map(int, input().split())))\n", (TestCase.stdio("1 2 3", "6"), TestCase.stdio("4", "4"))),
     "honest_budget": job("def f(x):\n    return -x\n", *[t(i, expected=-i) for i in range(8)], problem_timeout=2.0),
+    "honest_judge": Job("def f(x):\n    return [x]\n", (TestCase.check(0, "judge step"),), "f", check_code=JUDGE_LOOP),
 }
 
 
@@ -392,6 +405,11 @@ def test_candidate_output_becomes_its_own_verdict(batch: dict) -> None:
         r = res(batch, name).tests
         assert all(x.status is Status.ERROR for x in r) and "protocol violation" in r[0].detail, (name, r)
     assert res(batch, "wrong_field_types_forged").tests[0].status is Status.ERROR
+    assert res(batch, "deep_load_error_forged").tests[0].status is Status.ERROR
+    deep = res(batch, "deep_value_to_the_judge_forged").tests[0]
+    assert deep.status is Status.ERROR and ("undecodable" in deep.detail or "protocol" in deep.detail), deep
+    stale = res(batch, "stale_answers_to_the_judge_forged").tests[0]  # answers for calls not made yet
+    assert stale.status in (Status.ERROR, Status.FAIL), stale
 
 
 def test_host_keyring_sockets_devices_and_kernel_calls_unreachable(batch: dict) -> None:

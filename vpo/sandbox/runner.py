@@ -793,6 +793,7 @@ class _JobRun:
         self.j: _Proc | None = None
         self.j_loaded = False
         self.j_broken: tuple[Status, str] | None = None
+        self.call_seq = 0
         self.prot: dict[str, Any] = {}
         self.needs_module = any(t.kind != "stdio" for t in job.tests)
         self.fsize = max([len(t.input.encode("utf-8", "surrogateescape")) for t in job.tests if t.kind == "stdio"] + [0])
@@ -897,7 +898,7 @@ class _JobRun:
             log.warning("vpo.sandbox: a %s sandbox %s before it was ready", role, how)
             return f"sandbox process {how} before it was ready"
         if ev["ev"] == "fatal":
-            msg = str(ev.get("msg", "sandbox setup failed"))[:2000]
+            msg = _text(ev.get("msg"), 2000) or "sandbox setup failed"
             if isinstance(ev.get("prot"), dict):
                 self.prot = ev["prot"]
             if ev.get("config") is True or "required isolation" in msg or "drop root" in msg:
@@ -919,7 +920,7 @@ class _JobRun:
             return f"sandbox process died while loading ({proc.how()})"
         assert isinstance(ev, dict)
         if ev["ev"] == "load_error":
-            return f"load error: {str(ev.get('msg', ''))[:500]}"
+            return f"load error: {_text(ev.get('msg'))}"  # the candidate's module may have written it
         if ev["ev"] != "loaded":
             raise _Violation(f"unexpected {ev['ev']!r} event")
         return None
@@ -997,8 +998,7 @@ class _JobRun:
         c = self.cfg
         runtime = ev.get("t")
         runtime = float(runtime) if type(runtime) is float and 0 <= runtime < 1e6 else wall
-        err = ev.get("err")
-        detail = err[:500] if type(err) is str else ""
+        detail = _text(ev.get("err"))
         st = ev.get("st")
         if st == "timeout":
             return TestResult(Status.TIMEOUT, runtime, "time limit exceeded")
@@ -1088,7 +1088,7 @@ class _JobRun:
                     return TestResult(override[0], wall, override[1])
                 st = ev.get("st")
                 err = ev.get("err")
-                detail = err[:500] if type(err) is str else ""
+                detail = _text(err)
                 status = {"ok": Status.PASS, "fail": Status.FAIL, "timeout": Status.TIMEOUT}.get(st, Status.ERROR)
                 return TestResult(status, wall, detail)
             self._break_judge(Status.ERROR, f"judge protocol violation: unexpected {ev['ev']!r} event")
@@ -1101,14 +1101,15 @@ class _JobRun:
             proc = self._candidate()
         except _Stop as stop:
             return {"died": stop.detail}, (stop.status, stop.detail)
-        req: dict[str, Any] = {"i": -1, "kind": "call", "fn": self.job.entry_point, "args": ev.get("args", []),
-                               "timeout": max(0.01, deadline - time.monotonic() - self.cfg.grace)}
+        self.call_seq -= 1  # judge calls are numbered -1, -2...: a stale or forged answer cannot match
+        req: dict[str, Any] = {"i": self.call_seq, "kind": "call", "fn": self.job.entry_point,
+                               "args": ev.get("args", []), "timeout": max(0.01, deadline - time.monotonic() - self.cfg.grace)}
         if ev.get("kw"):
             req["kw"] = ev["kw"]
         proc.send(req)
         try:
             cev = proc.next_event(deadline)
-            if isinstance(cev, dict) and not (cev["ev"] == "end" and cev.get("i") == -1):
+            if isinstance(cev, dict) and not (cev["ev"] == "end" and type(cev.get("i")) is int and cev["i"] == self.call_seq):
                 raise _Violation(f"unexpected {cev['ev']!r} event")
         except _Violation as exc:
             self._void(str(exc))
@@ -1122,11 +1123,21 @@ class _JobRun:
         assert isinstance(cev, dict)
         st = cev.get("st")
         if st == "ok":
-            return {"val": cev.get("val")}, None
+            try:  # the judge gets plain data re-encoded here: bounded, whatever the event held
+                return {"val": encode_value(decode_value(cev.get("val")))}, None
+            except (CodecError, ValueError, TypeError, KeyError, IndexError, RecursionError, OverflowError) as exc:
+                detail = f"undecodable return value: {exc}"[:500]
+                self._drop_candidate(kill=True)
+                return {"died": detail}, (Status.ERROR, detail)
         if st == "timeout":
             return {"timeout": 1}, (Status.TIMEOUT, "time limit exceeded")
-        etype, err = cev.get("etype"), cev.get("err")
-        return {"exc": etype if type(etype) is str else "Exception", "msg": err[:500] if type(err) is str else ""}, None
+        etype = cev.get("etype")
+        return {"exc": etype[:100] if type(etype) is str else "Exception", "msg": _text(cev.get("err"))}, None
+
+
+def _text(value: Any, limit: int = 500) -> str:
+    """A message field from a sandbox event: a string (truncated), else nothing."""
+    return value[:limit] if type(value) is str else ""
 
 
 class _JudgeUnavailable(Exception):
