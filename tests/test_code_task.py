@@ -11,16 +11,21 @@ import numpy as np
 import pytest
 
 from vpo.rewards import score_set
-from vpo.sandbox import Job, Sandbox, SandboxConfig, TestCase
+from vpo.sandbox import Job, Sandbox, SandboxConfig, TestCase, private_view_available
 from vpo.tasks import get_task
 from vpo.tasks.code import EMBEDDED_PROBLEMS, CodeTask, CodeTestsReward, row_tests
 
 linux_only = pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="the sandbox needs Linux")
 
 
+# where no sandbox can hide files (no namespaces), scoring a task whose source must be hidden is
+# refused; these tests are about scoring, so there they accept an unhidden source explicitly
+HIDE = not os.path.exists("/proc/self/fd") or private_view_available()
+
+
 @pytest.fixture(scope="module")
 def task() -> CodeTask:
-    return get_task("code")
+    return get_task("code", hide_source=HIDE)
 
 
 def test_embedded_problem_set_shape(task: CodeTask) -> None:
@@ -201,7 +206,7 @@ def test_per_split_sources_and_date_filter(tmp_path: Path) -> None:
     assert [r["id"] for r in t.load("test")] == ["new"]
     assert t.import_stats["dropped_before_test_after"] == 1
     hidden = t.reward.sandbox_config.hide_paths
-    assert str(train.parent.resolve()) in hidden and str(test.parent.resolve()) in hidden
+    assert sorted(hidden) == sorted([str(train.resolve()), str(test.resolve())])  # the files, not their folders
     with pytest.raises(ValueError):
         CodeTask(source={"validation": str(test)})
     with pytest.raises(FileNotFoundError):
@@ -252,3 +257,57 @@ def test_code_pipeline_entries_build_the_task(name: str) -> None:
         positions = cfg.model.builder_params.get("max_position_embeddings")
         if positions:
             assert cfg.trainer.max_prompt_length + cfg.trainer.max_completion_length + 2 <= positions
+
+
+def test_factory_parameters_are_typed_keywords() -> None:
+    """Every parameter of the registered factory is keyword-only with a default and a precise
+    type (choices as Literal), so a parameter schema can be derived from the signature; the
+    sandbox parameter's keys are exactly SandboxConfig's fields."""
+    import dataclasses
+    import inspect
+    import typing
+
+    from vpo.tasks.code import SandboxParams, make_code_task
+
+    sig = inspect.signature(make_code_task)
+    hints = typing.get_type_hints(make_code_task)
+    for name, param in sig.parameters.items():
+        assert param.kind is inspect.Parameter.KEYWORD_ONLY and param.default is not inspect.Parameter.empty, name
+        assert name in hints and hints[name] is not typing.Any, name
+    assert set(sig.parameters) == set(inspect.signature(CodeTask.__init__).parameters) - {"self"}
+    for name in ("format", "equality", "prelude", "asserts"):
+        assert typing.get_origin(hints[name]) is typing.Literal, name
+    assert set(typing.get_type_hints(SandboxParams)) == {f.name for f in dataclasses.fields(SandboxConfig)}
+    from pydantic import TypeAdapter, ValidationError
+
+    sandbox = TypeAdapter(SandboxParams)  # what a schema derived from the signature does with it
+    assert sandbox.validate_python({"test_timeout": 2.0, "workers": None}) == {"test_timeout": 2.0, "workers": None}
+    for bad in ({"tset_timeout": 2.0}, {"namespaces": "maybe"}):
+        with pytest.raises(ValidationError):
+            sandbox.validate_python(bad)
+    with pytest.raises(ValueError, match="equality"):
+        get_task("code", equality="loose")
+    with pytest.raises(ValueError, match="problem_timeout"):
+        get_task("code", problem_timeout=-1.0)
+
+
+def test_judge_settings_reach_the_sandbox_jobs(tmp_path: Path) -> None:
+    """The dataset's judge settings (or the task's overrides) decide how an answer is judged."""
+    rec = {"id": "t", "prompt": "p", "entry_point": "f", "tests": [{"type": "call", "args": [0], "expected": [1, 2]}],
+           "judge": {"equality": "exact", "prelude": "none", "problem_timeout": 2.0}}
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps(rec) + "\n")
+    exact = CodeTask(source=path, test_fraction=0.0, hide_source=HIDE)
+    tolerant = CodeTask(source=path, test_fraction=0.0, equality="tolerant", prelude="competitive", problem_timeout="off",
+                        hide_source=HIDE)
+    (row,) = exact.load("train")
+    (row2,) = tolerant.load("train")
+    assert json.loads(row["judge"]) == {"equality": "exact", "prelude": "none", "problem_timeout": 2.0}
+    assert json.loads(row2["judge"]) == {"equality": "tolerant", "prelude": "competitive", "problem_timeout": None}
+    job = exact.reward._job("def f(x):\n    return (1, 2)\n", exact.reward.tests(row), row)
+    assert (job.equality, job.prelude, job.problem_timeout) == ("exact", "", 2.0)
+    if os.path.exists("/proc/self/fd"):
+        assert exact.reward.score(["def f(x):\n    return (1, 2)\n"], row)[0][0] == 0  # a tuple is not a list
+        assert tolerant.reward.score(["def f(x):\n    return (1, 2)\n"], row2)[0][0] == 1
+    with pytest.raises(ValueError, match="cannot hide /etc"):
+        CodeTask(source="/etc")

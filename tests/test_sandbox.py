@@ -14,6 +14,7 @@ from vpo.sandbox import (
     Job,
     Sandbox,
     SandboxConfig,
+    SandboxError,
     Status,
     TestCase,
     decode_value,
@@ -23,6 +24,7 @@ from vpo.sandbox import (
     values_match,
 )
 from vpo.sandbox._harness import CodecError
+from vpo.sandbox.compare import judge_value, render_value
 
 linux_only = pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="the sandbox needs Linux")
 
@@ -140,13 +142,87 @@ def test_testcase_schema_roundtrip_and_validation() -> None:
         Job("def f(): pass", (TestCase.call([], None),), entry_point=None)
 
 
-def test_default_hide_paths_never_hides_system_dirs(tmp_path: object) -> None:
-    hidden = default_hide_paths(extra=["/", "/usr", "/etc", str(tmp_path)], defaults=True)
-    for d in ("/", "/usr", "/etc", "/tmp", "/proc", "/dev"):
+def test_hide_paths_refuse_system_dirs_and_name_them(tmp_path: object) -> None:
+    hidden = default_hide_paths(defaults=True)
+    for d in ("/", "/usr", "/etc", "/tmp", "/proc", "/dev", "/var"):
         assert d not in hidden
-    assert os.path.realpath(str(tmp_path)) not in hidden or True  # under /tmp: covered by the private /tmp
-    assert os.path.realpath(os.getcwd()) in hidden or os.getcwd() in ("/",)
     assert all(not any(p != q and p.startswith(q + "/") for q in hidden) for p in hidden)
+    data = tmp_path / "data.jsonl"
+    data.write_text("{}")
+    assert default_hide_paths([str(data)], defaults=False) == [str(data.resolve())]
+    for bad in ("/", "/usr", "/var", "/lib"):
+        with pytest.raises(ValueError, match=f"cannot hide {bad}"):
+            default_hide_paths([bad], defaults=False)
+    with pytest.raises(SandboxError, match="cannot hide /etc"):
+        Sandbox(SandboxConfig(hide_paths=("/etc",)))
+
+
+def test_codec_big_ints_collisions_and_bad_tags() -> None:
+    import json
+    import time
+
+    big = 7 ** 20000
+    wire = json.loads(json.dumps(encode_value([big, -big, 10 ** 400])))
+    assert "$x" in json.dumps(wire) and decode_value(wire) == [big, -big, 10 ** 400]
+    # a set / dict of keys that all hash alike would take quadratic time to build: refused, fast
+    p = (1 << 61) - 1
+    colliding = {"$s": [k * p for k in range(20_000)]}
+    t0 = time.perf_counter()
+    with pytest.raises(CodecError, match="hash"):
+        decode_value(colliding)
+    with pytest.raises(CodecError, match="hash"):
+        decode_value({"$d": [[k * p, 0] for k in range(20_000)]})
+    assert time.perf_counter() - t0 < 1.0
+    assert len(decode_value({"$s": list(range(5000))})) == 5000  # ordinary sets are fine
+    deep: object = 0
+    for _ in range(150):
+        deep = [deep]
+    with pytest.raises(CodecError):
+        decode_value(deep)
+    for bad in ({"$s": 5}, {"$d": [[1]]}, {"$f": "x"}, {"$c": [1]}, {"$x": "zz"}, {"$b": 3}, {"$d": [[{"a": 1}, 1]]}):
+        with pytest.raises((CodecError, ValueError)):
+            decode_value(bad)
+
+
+def test_exact_and_tolerant_judges() -> None:
+    # tolerant: integers are exact, floats within tolerance, tuple == list
+    assert not values_match(1_000_000_007, 1_000_000_000)
+    assert not values_match(1_000_000_007, 1_000_000_000.0)
+    assert values_match(0.5, 0.5000000001) and values_match([1, 2], (1, 2))
+    assert not values_match(0.5, 10 ** 400) and not values_match(10 ** 400, 1e300)
+    assert not stdout_matches("1000000007", "1000000000")
+    assert not stdout_matches("1000000007", "1000000000.0")
+    assert not stdout_matches("1000", "1_000")
+    assert stdout_matches("2", "2.000") and stdout_matches("1.5", "1.5000001")
+    # exact: Python's own ==
+    assert judge_value("eq", [1, 2], [1, 2], equality="exact")
+    assert not judge_value("eq", [1, 2], (1, 2), equality="exact")
+    assert not judge_value("eq", 0.5, 0.5000000001, equality="exact")
+    assert judge_value("eq", True, 1, equality="exact")  # True == 1 in Python, as the dataset's assert
+    assert not judge_value("is", True, 1) and judge_value("is", True, True) and judge_value("is_not", None, 0)
+    assert judge_value("truthy", None, [0]) and not judge_value("truthy", None, 0) and judge_value("falsy", None, "")
+    assert judge_value("abs_lt", 0.33, 0.3300001, tol=1e-6) and not judge_value("abs_lt", 0.33, 0.34, tol=1e-6)
+    assert not judge_value("abs_lt", 0.5, 10 ** 400, tol=1e-6)  # OverflowError in Python: a failed assert
+    assert not judge_value("abs_lt", 0.5, [1], tol=1e-6)  # TypeError in Python: a failed assert
+    assert judge_value("ne", 3, 4, equality="exact") and not judge_value("ne", 3, 3, equality="tolerant")
+    assert render_value(10 ** 5000).startswith("<int of") and len(render_value(list(range(10 ** 5)))) <= 2003
+
+
+def test_testcase_cmp_and_check_schema() -> None:
+    cases = [TestCase.call([1], True, cmp="is"), TestCase.call([2], 0.5, cmp="abs_lt", tol=1e-6),
+             TestCase.call([3], None, cmp="falsy"), TestCase.check(4, "for x in range(3): ...")]
+    for case in cases:
+        assert TestCase.from_dict(case.to_dict()) == case
+    with pytest.raises(ValueError):
+        TestCase.call([1], 5, cmp="is")
+    with pytest.raises(ValueError):
+        TestCase.call([1], 5, cmp="abs_lt")
+    with pytest.raises(ValueError):
+        TestCase.call([1], 5, cmp="approximately")
+    with pytest.raises(ValueError):
+        Job("def f(): pass", (TestCase.check(0),), "f")  # no check_code
+    with pytest.raises(ValueError):
+        Job("def f(): pass", (TestCase.call([], 1),), "f", equality="loose")
 
 
 # ---------------------------------------------------------------------------------------------

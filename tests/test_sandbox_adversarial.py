@@ -619,23 +619,49 @@ def test_daemonized_grandchild_does_not_survive(batch: dict) -> None:
 # --- read-only root without hiding, and the unprivileged (user namespace) mode
 
 
-def test_readonly_root_without_hidden_dirs(tmp_path: Path) -> None:
+def test_minimal_read_only_nodev_view() -> None:
+    """Only the system folders and the interpreter exist in the sandbox, read-only; a
+    world-writable folder elsewhere does not exist at all; /dev holds five devices; every mount
+    but those five devices is nodev."""
     victim_dir = Path("/var/tmp") / f"vpo-sbx-ro-{secrets.token_hex(4)}"
     victim_dir.mkdir()
     os.chmod(victim_dir, 0o777)
+    code = textwrap.dedent(f"""
+        import os
+        def f(x):
+            out = {{"victim": os.path.exists({str(victim_dir)!r}), "root": sorted(os.listdir("/")),
+                    "dev": sorted(os.listdir("/dev"))}}
+            for p in ("/usr/vpo-w", "/etc/vpo-w", "/vpo-w", "/dev/vpo-w"):
+                try:
+                    open(p, "w").write("x")
+                    out[p] = "wrote"
+                except OSError as e:
+                    out[p] = e.errno
+            with open("/dev/null", "w") as fh:
+                fh.write("fine")
+            out["nodev"] = [line.split()[4] for line in open("/proc/self/mountinfo")
+                            if "nodev" not in line.split()[5]]
+            out["tmp"] = open("/tmp/w", "w").write("ok")
+            return out
+    """)
     try:
-        code = (
-            f"import os\ndef f(x):\n    p = {str(victim_dir)!r}\n    out = [os.path.isdir(p)]\n"
-            "    try:\n        open(p + '/w', 'w').write('x')\n        out.append('wrote')\n"
-            "    except OSError as e:\n        out.append(e.errno)\n    return out\n"
-        )
-        with Sandbox(SandboxConfig(hide_defaults=False, workers=1)) as box:
+        with Sandbox(SandboxConfig(workers=1)) as box:
             r = box.run_one(code, [t(0)], "f")
             if r.protections.get("mode") == "none":
                 pytest.skip("no namespaces here")
         import errno
 
-        assert eval(r.tests[0].output) == [True, errno.EROFS]
+        out = eval(r.tests[0].output)
+        assert out["victim"] is False
+        assert set(out["root"]) <= {"usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc", "tmp", "dev", "proc",
+                                    "root", ".old", ".vpo-empty"}, out["root"]
+        assert set(out["dev"]) == {"null", "zero", "full", "random", "urandom", "shm", "fd", "stdin", "stdout", "stderr"}
+        assert all(out[p] in (errno.EROFS, errno.EACCES) for p in ("/usr/vpo-w", "/etc/vpo-w", "/vpo-w", "/dev/vpo-w"))
+        assert sorted(out["nodev"]) == ["/dev/full", "/dev/null", "/dev/random", "/dev/urandom", "/dev/zero"]
+        assert out["tmp"] == 2
+        prot = r.protections
+        assert prot["view"] == "minimal" and prot["nodev"] and prot["readonly_root"] and prot["seccomp"]
+        assert prot["keyring"] in ("fresh", "none in kernel")
         assert os.listdir(victim_dir) == []
     finally:
         shutil.rmtree(victim_dir, ignore_errors=True)

@@ -1,20 +1,33 @@
-"""Sandbox harness: the fork server ("zygote") and the in-sandbox test runner.
+"""Sandbox harness: the fork server ("zygote"), the isolation steps and the in-sandbox runners.
 
 This file runs as a script in a separate interpreter (``python -I -S -B _harness.py zygote FD``)
 and must stay standard-library only and self-contained: isolated mode puts neither this folder
 nor site-packages on ``sys.path``. The parent side (:mod:`vpo.sandbox.runner`) imports it only
 for the value codec.
 
-Process tree for one candidate::
+Process tree for one sandbox process::
 
-    zygote Z (long-lived, one per worker, child subreaper)
-      └─ H   forked per candidate: new session, unshares pid/mount/net/ipc/uts namespaces
-          └─ C   pid 1 of the new pid namespace: mounts, drops to an unprivileged uid,
-                 sets rlimits, then runs every test of the candidate in this one process
+    zygote Z (long-lived, child subreaper; never holds candidate data)
+      └─ C   pid 1 of a new pid namespace: reads its payload, unshares mount/ipc/uts(/net),
+             minimal root, unprivileged uid, fresh session keyring, rlimits, seccomp filter;
+             then serves requests from the parent
 
-Z never runs candidate code. C streams one JSON line per event to a pipe the parent owns; the
-parent decides pass/fail by comparing outputs itself, so nothing C says can turn a wrong answer
-into a pass. Expected outputs never enter the sandbox.
+As root, Z forks C directly into a new pid namespace (unshare(CLONE_NEWPID) for its next child,
+then setns back to its own). Otherwise an intermediate process H is forked, which creates the
+namespaces (a user namespace included) and forks C as pid 1.
+
+Z receives only a fixed-size header and three descriptors per sandbox (event pipe, payload
+memfd, command pipe); the payload (program, tests' settings) is read after the fork, so no
+candidate's data is ever in the memory a later sandbox is forked from. C answers one request at
+a time from its command pipe and writes one JSON line per event to its event pipe; the parent
+judges outputs itself, so nothing C says can turn a wrong answer into a pass, and expected
+outputs never enter the sandbox.
+
+C runs in one of two roles: ``candidate`` (the program under test: loads it, then runs the
+call / expr / stdio requests) or ``judge`` (a dataset's own test code, e.g. a HumanEval
+``check``: runs it step by step; every call of the candidate is a message to the parent, which
+forwards it to the candidate's sandbox and returns the plain value, so the candidate never sees
+the judge's code, frames or expected values).
 """
 
 from __future__ import annotations
@@ -23,6 +36,7 @@ import atexit
 import builtins
 import ctypes
 import fcntl
+import gc
 import json
 import math
 import os
@@ -37,26 +51,30 @@ import time
 # ----------------------------------------------------------------------------------------------
 # value codec: exact builtin types only, so candidate-defined __eq__/__repr__ never reach the judge
 
-_TAGS = ("$t", "$s", "$fs", "$d", "$f", "$b", "$c")
 MAX_DEPTH = 100
+MAX_SAME_HASH = 64  # elements of one set / keys of one dict that may share a hash value
+BIG_INT_BITS = 12_000  # ints above this size travel as hex ({"$x": ...}): linear to parse
 
 
 class CodecError(ValueError):
-    """A value cannot be sent across the sandbox boundary (unsupported type, too deep)."""
+    """A value cannot be sent across the sandbox boundary (unsupported type, too deep, or a
+    set/dict whose elements collide in their hash values)."""
 
 
 def encode_value(x: object, depth: int = 0) -> object:
     """Encode a plain Python value as JSON-compatible data, preserving tuples, sets, non-string
-    dict keys, bytes, complex and non-finite floats through tags. Subclasses of builtin types
-    are rebuilt as their exact base type first, so the judge (in another process) only ever
-    sees plain data and a candidate's ``__eq__`` or ``__repr__`` never takes part in the
-    verdict; any other object is rejected."""
+    dict keys, bytes, complex, big ints and non-finite floats through tags. Subclasses of
+    builtin types are rebuilt as their exact base type first, so the judge (in another process)
+    only ever sees plain data and a candidate's ``__eq__`` or ``__repr__`` never takes part in
+    the verdict; any other object is rejected."""
     if depth > MAX_DEPTH:
         raise CodecError("value nested too deeply")
     t = type(x)
     if x is None or t is bool or t is str:
         return x
     if t is int:
+        if int.bit_length(x) > BIG_INT_BITS:
+            return {"$x": int.__format__(x, "x")}
         return x
     if t is float:
         if math.isfinite(x):
@@ -64,11 +82,11 @@ def encode_value(x: object, depth: int = 0) -> object:
         return {"$f": "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")}
     d = depth + 1
     if t is list:
-        return [encode_value(v, d) for v in x]
+        return [encode_value(v, d) for v in list.copy(x)]
     if t is tuple:
         return {"$t": [encode_value(v, d) for v in x]}
     if t is dict:
-        return {"$d": [[encode_value(k, d), encode_value(v, d)] for k, v in dict.items(x)]}
+        return {"$d": [[encode_value(k, d), encode_value(v, d)] for k, v in dict.items(dict.copy(x))]}
     if t is set:
         return {"$s": [encode_value(v, d) for v in set.copy(x)]}
     if t is frozenset:
@@ -87,58 +105,146 @@ def encode_value(x: object, depth: int = 0) -> object:
 
 def decode_value(x: object, depth: int = 0) -> object:
     """Inverse of :func:`encode_value` (also accepts plain JSON: objects without a tag are
-    ordinary dicts)."""
+    ordinary dicts). Bounded: nesting depth, and sets/dicts whose elements share a hash value
+    more than ``MAX_SAME_HASH`` times (which would make building them quadratic) are refused."""
     if depth > MAX_DEPTH:
         raise CodecError("value nested too deeply")
+    t = type(x)
+    if x is None or t is bool or t is str or t is int or t is float:
+        return x
     d = depth + 1
-    if isinstance(x, list):
+    if t is list:
         return [decode_value(v, d) for v in x]
-    if isinstance(x, dict):
-        if len(x) == 1:
-            (tag, v), = x.items()
-            if tag == "$t":
-                return tuple(decode_value(i, d) for i in v)
-            if tag == "$s":
-                return {_hashable(decode_value(i, d)) for i in v}
-            if tag == "$fs":
-                return frozenset(_hashable(decode_value(i, d)) for i in v)
-            if tag == "$d":
-                return {_hashable(decode_value(k, d)): decode_value(val, d) for k, val in v}
-            if tag == "$f":
-                return float(v)
-            if tag == "$b":
-                return v.encode("latin-1")
-            if tag == "$c":
-                return complex(float(v[0]), float(v[1]))
-        return {k: decode_value(v, d) for k, v in x.items()}
-    return x
+    if t is not dict:
+        return x  # not JSON data (a caller's own Python value): passed through
+    if len(x) == 1:
+        (tag, v), = x.items()
+        if tag == "$t":
+            return tuple(decode_value(i, d) for i in _items(v))
+        if tag == "$s":
+            return set(_distinct([_hashable(decode_value(i, d)) for i in _items(v)]))
+        if tag == "$fs":
+            return frozenset(_distinct([_hashable(decode_value(i, d)) for i in _items(v)]))
+        if tag == "$d":
+            pairs = []
+            for kv in _items(v):
+                if type(kv) is not list or len(kv) != 2:
+                    raise CodecError("a $d entry must be a [key, value] pair")
+                pairs.append((_hashable(decode_value(kv[0], d)), decode_value(kv[1], d)))
+            _distinct([k for k, _ in pairs])
+            return dict(pairs)
+        if tag == "$f":
+            if v not in ("nan", "inf", "-inf"):
+                raise CodecError("bad $f value")
+            return float(v)
+        if tag == "$b":
+            if type(v) is not str:
+                raise CodecError("bad $b value")
+            return v.encode("latin-1")
+        if tag == "$c":
+            parts = [decode_value(p, d) for p in _items(v)]
+            if len(parts) != 2 or any(type(p) not in (int, float) for p in parts):
+                raise CodecError("bad $c value")
+            return complex(parts[0], parts[1])
+        if tag == "$x":
+            if type(v) is not str or not v or len(v) > 1 << 24:
+                raise CodecError("bad $x value")
+            return int(v, 16)
+    _distinct(list(x))
+    return {k: decode_value(v, d) for k, v in x.items()}
+
+
+def _items(v: object) -> list:
+    if type(v) is not list:
+        raise CodecError("a tagged container must hold a list")
+    return v
 
 
 def _hashable(v: object) -> object:
-    if isinstance(v, list):
+    if type(v) is list:
         return tuple(_hashable(i) for i in v)
-    if isinstance(v, set):
+    if type(v) is set:
         return frozenset(v)
-    if isinstance(v, dict):
+    if type(v) is dict:
         raise CodecError("a dict cannot be a set element or dict key")
     return v
+
+
+def _distinct(keys: list) -> list:
+    """Refuse a collection whose keys share one hash value too often (a crafted hash-collision
+    set makes every insertion scan all earlier keys: quadratic time)."""
+    if len(keys) > MAX_SAME_HASH:
+        counts: dict[int, int] = {}
+        for k in keys:
+            h = hash(k)
+            c = counts.get(h, 0) + 1
+            if c > MAX_SAME_HASH:
+                raise CodecError(f"more than {MAX_SAME_HASH} elements share one hash value")
+            counts[h] = c
+    return keys
 
 
 # ----------------------------------------------------------------------------------------------
 # Linux primitives (ctypes; Python 3.11 has no os.unshare / mount wrappers)
 
+CLONE_NEWTIME = 0x00000080
 CLONE_NEWNS = 0x00020000
+CLONE_NEWCGROUP = 0x02000000
 CLONE_NEWUTS = 0x04000000
 CLONE_NEWIPC = 0x08000000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
+CLONE_NEW_ANY = CLONE_NEWTIME | CLONE_NEWNS | CLONE_NEWCGROUP | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER \
+    | CLONE_NEWPID | CLONE_NEWNET
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
-SYS_OPEN_TREE, SYS_MOVE_MOUNT, SYS_MOUNT_SETATTR = 428, 429, 442  # same number on x86_64 and arm64
+MNT_DETACH = 2
 OPEN_TREE_CLONE, AT_RECURSIVE, AT_FDCWD, MOVE_MOUNT_F_EMPTY_PATH = 1, 0x8000, -100, 0x4
-MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID = 0x1, 0x2
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_CHILD_SUBREAPER = 1, 38, 36
+MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID, MOUNT_ATTR_NODEV, MOUNT_ATTR_NOEXEC = 0x1, 0x2, 0x4, 0x8
+PR_SET_PDEATHSIG, PR_SET_SECCOMP, PR_SET_NO_NEW_PRIVS, PR_SET_CHILD_SUBREAPER = 1, 22, 38, 36
+KEYCTL_JOIN_SESSION_KEYRING = 1
+SECCOMP_MODE_FILTER = 2
+
+# System call numbers that differ per architecture (the mount API and newer calls are shared).
+_SYSCALLS = {
+    "x86_64": {
+        "ptrace": 101, "syslog": 103, "uselib": 134, "personality": 135, "vhangup": 153, "pivot_root": 155,
+        "adjtimex": 159, "chroot": 161, "acct": 163, "settimeofday": 164, "mount": 165, "umount2": 166,
+        "swapon": 167, "swapoff": 168, "reboot": 169, "sethostname": 170, "setdomainname": 171, "iopl": 172,
+        "ioperm": 173, "init_module": 175, "delete_module": 176, "quotactl": 179, "lookup_dcookie": 212,
+        "clock_settime": 227, "kexec_load": 246, "add_key": 248, "request_key": 249, "keyctl": 250,
+        "unshare": 272, "perf_event_open": 298, "fanotify_init": 300, "name_to_handle_at": 303,
+        "open_by_handle_at": 304, "clock_adjtime": 305, "setns": 308, "process_vm_readv": 310,
+        "process_vm_writev": 311, "kcmp": 312, "finit_module": 313, "kexec_file_load": 320, "bpf": 321,
+        "userfaultfd": 323, "clone": 56, "socket": 41, "socketpair": 53,
+    },
+    "aarch64": {
+        "ptrace": 117, "syslog": 116, "personality": 92, "vhangup": 58, "pivot_root": 41, "adjtimex": 171,
+        "chroot": 51, "acct": 89, "settimeofday": 170, "mount": 40, "umount2": 39, "swapon": 224,
+        "swapoff": 225, "reboot": 142, "sethostname": 161, "setdomainname": 162, "init_module": 105,
+        "delete_module": 106, "quotactl": 60, "lookup_dcookie": 18, "clock_settime": 112, "kexec_load": 104,
+        "add_key": 217, "request_key": 218, "keyctl": 219, "unshare": 97, "perf_event_open": 241,
+        "fanotify_init": 262, "name_to_handle_at": 264, "open_by_handle_at": 265, "clock_adjtime": 266,
+        "setns": 268, "process_vm_readv": 270, "process_vm_writev": 271, "kcmp": 272, "finit_module": 273,
+        "kexec_file_load": 294, "bpf": 280, "userfaultfd": 282, "clone": 220, "socket": 198, "socketpair": 199,
+    },
+}
+_COMMON_SYSCALLS = {
+    "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427, "open_tree": 428, "move_mount": 429,
+    "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433, "clone3": 435, "pidfd_getfd": 438,
+    "process_madvise": 440, "mount_setattr": 442, "quotactl_fd": 443, "open_tree_attr": 467,
+}
+_AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+MACHINE = os.uname().machine
+
+
+def _nr(name: str) -> int | None:
+    table = _SYSCALLS.get(MACHINE)
+    if table is None:
+        return None
+    return table.get(name, _COMMON_SYSCALLS.get(name))
+
 
 _libc = None
 
@@ -150,6 +256,8 @@ def _lib():
         lib.syscall.restype = ctypes.c_long
         lib.unshare.argtypes = [ctypes.c_int]
         lib.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+        lib.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+        lib.setns.argtypes = [ctypes.c_int, ctypes.c_int]
         lib.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
         _libc = lib
     return _libc
@@ -174,27 +282,46 @@ def mount(src: str | None, target: str, fstype: str | None, flags: int, data: st
     _check(_lib().mount(_b(src), _b(target), _b(fstype), flags, _b(data)), f"mount {target}")
 
 
+def umount2(target: str, flags: int) -> None:
+    _check(_lib().umount2(_b(target), flags), f"umount {target}")
+
+
+def _syscall(name: str, *args: object) -> int:
+    nr = _nr(name)
+    if nr is None:
+        raise OSError(38, f"{name}: unknown system call number on {MACHINE}")
+    conv = [a if isinstance(a, (bytes, ctypes.Array)) or a is None else ctypes.c_long(int(a)) for a in args]
+    return _check(_lib().syscall(ctypes.c_long(nr), *conv), name)
+
+
 def open_tree(path: str) -> int:
-    flags = OPEN_TREE_CLONE | AT_RECURSIVE | os.O_CLOEXEC
-    return _check(_lib().syscall(ctypes.c_long(SYS_OPEN_TREE), ctypes.c_long(AT_FDCWD), _b(path), ctypes.c_long(flags)), f"open_tree {path}")
+    return _syscall("open_tree", AT_FDCWD, _b(path), OPEN_TREE_CLONE | AT_RECURSIVE | os.O_CLOEXEC)
 
 
 def move_mount(fd: int, target: str) -> None:
-    lib = _lib()
-    ret = lib.syscall(ctypes.c_long(SYS_MOVE_MOUNT), ctypes.c_long(fd), b"", ctypes.c_long(AT_FDCWD), _b(target),
-                      ctypes.c_long(MOVE_MOUNT_F_EMPTY_PATH))
-    _check(ret, f"move_mount {target}")
+    _syscall("move_mount", fd, b"", AT_FDCWD, _b(target), MOVE_MOUNT_F_EMPTY_PATH)
 
 
 def mount_setattr(path: str, recursive: bool, attr_set: int, attr_clr: int) -> None:
     buf = ctypes.create_string_buffer(struct.pack("QQQQ", attr_set, attr_clr, 0, 0))
-    ret = _lib().syscall(ctypes.c_long(SYS_MOUNT_SETATTR), ctypes.c_long(AT_FDCWD), _b(path),
-                         ctypes.c_long(AT_RECURSIVE if recursive else 0), buf, ctypes.c_long(32))
-    _check(ret, f"mount_setattr {path}")
+    _syscall("mount_setattr", AT_FDCWD, _b(path), AT_RECURSIVE if recursive else 0, buf, 32)
+
+
+def pivot_root(new: str, old: str) -> None:
+    _syscall("pivot_root", _b(new), _b(old))
 
 
 def prctl(option: int, arg: int) -> None:
     _check(_lib().prctl(option, arg, 0, 0, 0), f"prctl {option}")
+
+
+def set_name(name: str) -> None:
+    """The process name shown by ps/top (PR_SET_NAME); best effort."""
+    try:
+        buf = ctypes.create_string_buffer(name.encode()[:15])
+        _lib().prctl(15, ctypes.addressof(buf), 0, 0, 0)
+    except Exception:  # noqa: BLE001, S110 - cosmetic
+        pass
 
 
 def drop_capabilities() -> None:
@@ -216,6 +343,121 @@ def _cap_eff() -> str:
 
 
 # ----------------------------------------------------------------------------------------------
+# seccomp: a BPF program built here, installed with prctl (no compiled dependency)
+
+# syscalls a sandbox never needs: other processes' memory, the kernel keyring, mounts and new
+# namespaces (all set up before the filter), BPF, perf, io_uring (bypasses the filter), modules,
+# clocks, reboot, handles that escape the mount view...
+SECCOMP_DENY = (
+    "ptrace", "process_vm_readv", "process_vm_writev", "process_madvise", "kcmp", "pidfd_getfd",
+    "keyctl", "add_key", "request_key",
+    "mount", "umount2", "pivot_root", "chroot", "open_tree", "open_tree_attr", "move_mount", "fsopen", "fsconfig",
+    "fsmount", "fspick", "mount_setattr", "unshare", "setns",
+    "bpf", "perf_event_open", "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register",
+    "init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load", "reboot", "swapon", "swapoff",
+    "acct", "quotactl", "quotactl_fd", "syslog", "settimeofday", "clock_settime", "adjtimex", "clock_adjtime",
+    "open_by_handle_at", "name_to_handle_at", "lookup_dcookie", "fanotify_init", "vhangup", "iopl", "ioperm",
+    "uselib", "personality", "sethostname", "setdomainname",
+)
+AF_UNIX, AF_INET, AF_INET6, SOCK_STREAM = 1, 2, 10, 1
+_EPERM, _ENOSYS, _EAFNOSUPPORT = 1, 38, 97
+_RET_ALLOW, _RET_ERRNO, _RET_KILL_PROCESS = 0x7FFF0000, 0x00050000, 0x80000000
+_LD_W_ABS, _JEQ, _JGE, _JSET, _RET, _AND = 0x20, 0x15, 0x35, 0x45, 0x06, 0x54
+
+
+def seccomp_program(machine: str = MACHINE) -> list[tuple[int, int, int, int]]:
+    """The filter as (code, jt, jf, k) instructions: other architectures' calling conventions
+    (e.g. i386 ``int 0x80`` on x86_64) kill the process; the calls in ``SECCOMP_DENY`` fail
+    with EPERM; ``clone`` with any namespace flag and ``clone3`` (its flags live in memory the
+    filter cannot read; libc falls back to ``clone``) are refused; sockets only for AF_INET and
+    AF_INET6 (no Unix, netlink, vsock... sockets: no host socket can be reached by path or
+    abstract name); ``socketpair`` only as connected AF_UNIX streams (a datagram pair could be
+    re-connected to a host socket). Everything else is allowed."""
+    table = _SYSCALLS.get(machine)
+    if table is None:
+        raise OSError(38, f"no seccomp filter for architecture {machine}")
+    nr = {**_COMMON_SYSCALLS, **table}
+    prog: list[list] = []  # [code, jt, jf, k], jt/jf may be label names until resolved
+    labels: dict[str, int] = {}
+
+    def emit(code: int, k: int = 0, jt: object = 0, jf: object = 0) -> None:
+        prog.append([code, jt, jf, k])
+
+    def label(name: str) -> None:
+        labels[name] = len(prog)
+
+    emit(_LD_W_ABS, 4)  # seccomp_data.arch
+    emit(_JEQ, _AUDIT_ARCH[machine], jt=1)
+    emit(_RET, _RET_KILL_PROCESS)
+    emit(_LD_W_ABS, 0)  # seccomp_data.nr
+    if machine == "x86_64":
+        emit(_JGE, 0x40000000, jt="deny")  # the x32 ABI
+    for name in SECCOMP_DENY:
+        if name in nr:
+            emit(_JEQ, nr[name], jt="deny")
+    emit(_JEQ, nr["clone3"], jt="enosys")
+    emit(_JEQ, nr["clone"], jt="clone")
+    emit(_JEQ, nr["socket"], jt="socket")
+    emit(_JEQ, nr["socketpair"], jt="socketpair")
+    emit(_RET, _RET_ALLOW)
+    label("clone")
+    emit(_LD_W_ABS, 16)  # args[0] (low 32 bits): clone flags
+    emit(_JSET, CLONE_NEW_ANY, jt="deny", jf="allow")
+    label("socket")
+    emit(_LD_W_ABS, 16)  # args[0]: domain
+    emit(_JEQ, AF_INET, jt="allow")
+    emit(_JEQ, AF_INET6, jt="allow", jf="noafs")
+    label("socketpair")
+    emit(_LD_W_ABS, 16)
+    emit(_JEQ, AF_UNIX, jf="noafs")
+    emit(_LD_W_ABS, 24)  # args[1]: type (flags in the high bits)
+    emit(_AND, 0xF)
+    emit(_JEQ, SOCK_STREAM, jt="allow", jf="noafs")
+    label("allow")
+    emit(_RET, _RET_ALLOW)
+    label("deny")
+    emit(_RET, _RET_ERRNO | _EPERM)
+    label("enosys")
+    emit(_RET, _RET_ERRNO | _ENOSYS)
+    label("noafs")
+    emit(_RET, _RET_ERRNO | _EAFNOSUPPORT)
+    out = []
+    for i, (code, jt, jf, k) in enumerate(prog):
+        jt = labels[jt] - i - 1 if isinstance(jt, str) else jt
+        jf = labels[jf] - i - 1 if isinstance(jf, str) else jf
+        if not (0 <= jt < 256 and 0 <= jf < 256):
+            raise ValueError("seccomp jump out of range")
+        out.append((code, jt, jf, k))
+    return out
+
+
+_SECCOMP_BUILT: list = []  # (filter array, fprog): built once in the zygote, shared by every sandbox
+
+
+def _seccomp_fprog() -> tuple[object, object]:
+    if not _SECCOMP_BUILT:
+        prog = seccomp_program()
+
+        class SockFilter(ctypes.Structure):
+            _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint32)]
+
+        class SockFprog(ctypes.Structure):
+            _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
+
+        arr = (SockFilter * len(prog))(*[SockFilter(*ins) for ins in prog])
+        _SECCOMP_BUILT[:] = [arr, SockFprog(len(prog), ctypes.cast(arr, ctypes.POINTER(SockFilter)))]
+    return _SECCOMP_BUILT[0], _SECCOMP_BUILT[1]
+
+
+def install_seccomp() -> int:
+    """Install :func:`seccomp_program` for this process and its future children (needs
+    no_new_privs or CAP_SYS_ADMIN). Returns the number of instructions."""
+    _arr, fprog = _seccomp_fprog()
+    _check(_lib().prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(fprog), 0, 0), "seccomp")
+    return fprog.len
+
+
+# ----------------------------------------------------------------------------------------------
 # zygote
 
 
@@ -225,25 +467,55 @@ PRELOAD = (
     "typing", "collections", "heapq", "math", "itertools", "bisect", "functools", "string", "re",
     "random", "operator", "fractions", "decimal", "statistics", "array", "copy", "datetime", "json",
 )
+SYSTEM_VIEW = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
+DEVICES = ("null", "zero", "full", "random", "urandom")
+_WARM_PRELUDE = "from typing import *\nfrom collections import *\nfrom math import *\nfrom builtins import *\n"
 
 
-def _expose_paths() -> list[str]:
-    """Directories the interpreter needs after the filesystem view is narrowed."""
-    cands = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, *sys.path]
-    out: set[str] = set()
-    for p in cands:
+def _under(p: str, q: str) -> bool:
+    return p == q or p.startswith(q.rstrip("/") + "/")
+
+
+def _top_level(paths: set[str]) -> list[str]:
+    keep = sorted(paths)
+    return [p for p in keep if not any(p != q and _under(p, q) for q in keep)]
+
+
+def _interpreter_paths() -> dict:
+    """What the interpreter needs after the filesystem view is narrowed (its prefixes and
+    standard library), the further ``sys.path`` entries (site-packages, ``.pth`` additions such
+    as editable installs), and its site-packages directories."""
+    import sysconfig
+
+    def real_dir(p: str) -> str | None:
         if not p:
-            continue
+            return None
         p = os.path.realpath(p)
         if os.path.isfile(p):
             p = os.path.dirname(p)
-        if os.path.isdir(p):
-            out.add(p)
-    keep = sorted(out)
-    return [p for p in keep if not any(p != q and p.startswith(q.rstrip("/") + "/") for q in keep)]
+        return p if os.path.isdir(p) else None
+
+    paths = sysconfig.get_paths()
+    interp = {real_dir(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+                                    paths.get("stdlib"), paths.get("platstdlib"), os.path.dirname(os.__file__))}
+    interp.discard(None)
+    site_dirs = {real_dir(paths.get(k, "")) for k in ("purelib", "platlib")}
+    try:
+        from site import getsitepackages  # importable under -S; not executed at startup
+        site_dirs |= {real_dir(p) for p in getsitepackages()}
+    except Exception:  # noqa: BLE001, S110 - best effort
+        pass
+    site_dirs.discard(None)
+    on_path = {real_dir(p) for p in sys.path} - {None}
+    extra = {p for p in on_path if not any(_under(p, q) for q in interp)}
+    used_sites = {p for p in site_dirs if p in on_path}
+    return {"interp": _top_level(interp), "extra": sorted(extra), "site_dirs": sorted(site_dirs - used_sites),
+            "site_on_path": sorted(used_sites)}
 
 
-EXPOSE: list[str] = []
+INTERP: dict = {}
+NETNS = ["sandbox"]  # "zygote" when this fork server already is in its own empty network namespace
+WORKDIR = [""]  # the work directory of a sandbox without a mount namespace (made and removed by the zygote)
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
@@ -356,20 +628,71 @@ def _kill_tree(pid: int) -> None:
             pass
 
 
-def zygote_main(sock_fd: int) -> None:
-    """Serve RUN requests forever: fork one sandbox per request, report its pid and exit status."""
+def _warm_up() -> None:
+    """Exercise the compiler, the codec and JSON once with our own data, then freeze the heap:
+    a forked sandbox then writes (and copies) far fewer of the zygote's pages."""
+    ns = {"__name__": "__warm__", "__builtins__": builtins}
+    code = compile(_WARM_PRELUDE + "def f(x):\n    return [x, (x, 1.5), {x: 'a'}, {x}, b'x', None, True]\n",
+                   "<warm-up>", "exec")
+    exec(code, ns)  # noqa: S102 - our own constant code
+    wire = json.dumps({"ev": "end", "i": 0, "st": "ok", "val": encode_value(ns["f"](3))})
+    decode_value(json.loads(wire)["val"])
+    if MACHINE in _SYSCALLS:
+        _seccomp_fprog()
+    gc.collect()
+    gc.freeze()
+
+
+def _direct_pid_namespaces() -> int | None:
+    """As root: a descriptor of this process's pid namespace if it can give its next child a new
+    pid namespace (unshare) and then return to its own (setns); None otherwise."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        fd = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        unshare(CLONE_NEWPID)
+        _check(_lib().setns(fd, CLONE_NEWPID), "setns")
+        return fd
+    except OSError:
+        os.close(fd)
+        return None
+
+
+def zygote_main(sock_fd: int, namespaces: str = "auto") -> None:
+    """Serve RUN requests forever: fork one sandbox per request, report its pid and exit status.
+    A request carries no payload, only descriptors, so this process never holds candidate data.
+    As root, the sandbox is forked directly as pid 1 of a new pid namespace (this process then
+    returns to its own); otherwise an intermediate process creates the namespaces."""
     sock = socket.socket(fileno=sock_fd)
+    set_name("vpo-zygote")
     for name in PRELOAD:
         __import__(name)
     _lib()
-    EXPOSE[:] = _expose_paths()
+    INTERP.update(_interpreter_paths())
     try:
         prctl(PR_SET_CHILD_SUBREAPER, 1)
         subreaper = True
     except OSError:
         subreaper = False
-    _send_line(sock, {"hello": 1, "pid": os.getpid(), "euid": os.geteuid(), "expose": EXPOSE,
-                      "subreaper": subreaper, "python": sys.version.split()[0]})
+    # As root, this fork server moves into an empty network namespace once: its sandboxes (one at
+    # a time) share it instead of each creating and tearing down their own (a costly kernel
+    # operation). Nothing carries over from one to the next: no device but a down loopback, no
+    # capability to configure one, only AF_INET/AF_INET6 sockets (seccomp), all closed when a
+    # sandbox's processes die.
+    if os.geteuid() == 0 and namespaces != "off":
+        try:
+            unshare(CLONE_NEWNET)
+            NETNS[0] = "zygote"
+        except OSError:
+            pass
+    own_pidns = _direct_pid_namespaces() if namespaces != "off" else None
+    _warm_up()
+    _send_line(sock, {"hello": 1, "pid": os.getpid(), "euid": os.geteuid(), "interp": INTERP, "netns": NETNS[0],
+                      "direct": own_pidns is not None,
+                      "subreaper": subreaper, "python": sys.version.split()[0], "machine": MACHINE})
     zpid = os.getpid()
     while True:
         try:
@@ -383,32 +706,47 @@ def zygote_main(sock_fd: int) -> None:
             if rest is None:
                 break
             data += rest
-        op, length = HEADER.unpack(data)
-        if op != OP_RUN or len(fds) != 1:
+        op, _length = HEADER.unpack(data)
+        if op != OP_RUN or len(fds) != 3:
             for fd in fds:
                 os.close(fd)
             continue  # a late KILL for a finished run, or junk
-        payload = _recv_exact(sock, length)
-        if payload is None:
-            break
-        wfd = fds[0]
+        direct = own_pidns is not None
+        if not direct or namespaces == "off":  # a sandbox that may end up without a private /tmp
+            import tempfile
+            WORKDIR[0] = tempfile.mkdtemp(prefix="vpo-sbx-")
         try:
+            if direct:
+                unshare(CLONE_NEWPID)  # for the next child only
             pid = os.fork()
         except OSError as exc:
-            os.close(wfd)
-            _send_line(sock, {"error": f"fork failed: {exc}"})
-            continue
+            pid = -1
+            error = f"fork failed: {exc}"
         if pid == 0:
             code = 70
             try:
-                code = sandbox_main(payload, wfd, zpid)
+                code = direct_main(fds) if direct else sandbox_main(fds, zpid)
             finally:
                 os._exit(code)
-        os.close(wfd)
-        del payload
+        if direct and _lib().setns(own_pidns, CLONE_NEWPID) != 0:  # back to our own for the next request
+            os.abort()  # cannot happen (entering one's own pid namespace); never fork into a stale one
+        if pid < 0:
+            for fd in fds:
+                os.close(fd)
+            if WORKDIR[0]:
+                os.rmdir(WORKDIR[0])
+                WORKDIR[0] = ""
+            _send_line(sock, {"error": error})
+            continue
+        for fd in fds:
+            os.close(fd)
         _send_line(sock, {"pid": pid})
         status, gone = _wait_child(pid, sock)
         killed = _reap_orphans()
+        if WORKDIR[0]:
+            import shutil
+            shutil.rmtree(WORKDIR[0], ignore_errors=True)
+            WORKDIR[0] = ""
         if gone:
             break
         _send_line(sock, {"exit": _status_code(status), "orphans_killed": killed})
@@ -424,7 +762,7 @@ def _status_code(status: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# H: namespaces, then fork C as pid 1
+# H: payload, namespaces, then fork C as pid 1
 
 
 def _close_fds_from(lowest: int) -> None:
@@ -437,9 +775,62 @@ def _close_fds_from(lowest: int) -> None:
                 pass
 
 
-def sandbox_main(payload: bytes, wfd: int, zpid: int) -> int:
-    """Runs in H (forked from the zygote). Returns H's exit code."""
+def _read_payload(fd: int) -> bytes:
+    size = os.fstat(fd).st_size
+    chunks, off = [], 0
+    while off < size:
+        b = os.pread(fd, min(size - off, 1 << 22), off)
+        if not b:
+            break
+        chunks.append(b)
+        off += len(b)
+    return b"".join(chunks)
+
+
+def _take_payload(fds: list[int]) -> dict:
+    """Read the payload from its memfd; the event pipe becomes fd 3, the command pipe fd 4,
+    stdio /dev/null, every other descriptor is closed."""
+    ev_fd, payload_fd, cmd_fd = fds
+    payload = _read_payload(payload_fd)
+    ev_hi = fcntl.fcntl(ev_fd, fcntl.F_DUPFD, 10)
+    cmd_hi = fcntl.fcntl(cmd_fd, fcntl.F_DUPFD, 10)
+    devnull = os.open("/dev/null", os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    os.dup2(ev_hi, 3)
+    os.dup2(cmd_hi, 4)
+    _close_fds_from(5)
+    return json.loads(payload)
+
+
+def direct_main(fds: list[int]) -> int:
+    """Runs in C forked by the zygote (as root) as pid 1 of a new pid namespace: the remaining
+    namespaces, then :func:`child_main`. Returns C's exit code."""
     t_fork = time.time()
+    os.setsid()
+    try:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+    cfg = _take_payload(fds)
+    flags = CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS | (0 if NETNS[0] == "zygote" else CLONE_NEWNET)
+    errors = []
+    try:
+        unshare(flags)
+        mode = "root"
+    except OSError as exc:  # pragma: no cover - root without mount namespaces
+        errors.append(str(exc))
+        mode = "none"
+    t = time.time()
+    cfg.update({"_mode": mode, "_ns_errors": errors, "_t": [t_fork, t], "_workdir": WORKDIR[0]})
+    return child_main(cfg)
+
+
+def sandbox_main(fds: list[int], zpid: int) -> int:
+    """Runs in H (forked from the zygote). ``fds``: event pipe (write end), payload memfd,
+    command pipe (read end). Returns H's exit code."""
+    t_fork = time.time()
+    set_name("vpo-sbx-init")
     os.setsid()
     try:
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -447,14 +838,7 @@ def sandbox_main(payload: bytes, wfd: int, zpid: int) -> int:
         pass
     if os.getppid() != zpid:
         return 71
-    high = fcntl.fcntl(wfd, fcntl.F_DUPFD, 10)
-    devnull = os.open("/dev/null", os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(devnull, fd)
-    os.dup2(high, 3)
-    _close_fds_from(4)
-    cfg = json.loads(payload)
-    del payload
+    cfg = _take_payload(fds)
     ns = cfg["namespaces"]
     mode = "none"
     flags = CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
@@ -462,7 +846,7 @@ def sandbox_main(payload: bytes, wfd: int, zpid: int) -> int:
     if ns != "off":
         if os.geteuid() == 0:
             try:
-                unshare(flags)
+                unshare(flags & ~CLONE_NEWNET if NETNS[0] == "zygote" else flags)
                 mode = "root"
             except OSError as exc:
                 errors.append(str(exc))
@@ -482,11 +866,7 @@ def sandbox_main(payload: bytes, wfd: int, zpid: int) -> int:
     cfg["_mode"] = mode
     cfg["_ns_errors"] = errors
     cfg["_t"] = [t_fork, time.time()]
-    workdir = None
-    if mode == "none":
-        import tempfile
-        workdir = tempfile.mkdtemp(prefix="vpo-sbx-")
-        cfg["_workdir"] = workdir
+    cfg["_workdir"] = WORKDIR[0]
     pid = os.fork()
     if pid == 0:
         code = 72
@@ -497,20 +877,20 @@ def sandbox_main(payload: bytes, wfd: int, zpid: int) -> int:
         finally:
             os._exit(code)
     os.close(3)
+    os.close(4)
     _, status = os.waitpid(pid, 0)
-    if workdir is not None:
-        import shutil
-        shutil.rmtree(workdir, ignore_errors=True)
     if os.WIFSIGNALED(status):
         return 128 + os.WTERMSIG(status)
     return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 74
 
 
 # ----------------------------------------------------------------------------------------------
-# C: filesystem view, credentials, limits, then the tests
+# C: filesystem view, credentials, limits, then the runner
 
 _os_write = os.write
+_os_read = os.read
 _json_dumps = json.dumps
+_json_loads = json.loads
 _perf = time.perf_counter
 
 
@@ -522,63 +902,154 @@ def _send(obj: dict) -> None:
         view = view[n:]
 
 
-def _setup_mounts(cfg: dict, mode: str, prot: dict) -> None:
-    """Private mount tree: every configured secret dir hidden under an empty read-only tmpfs (the
-    interpreter's own dirs re-exposed at the same paths), the whole tree read-only and nosuid,
-    fresh private tmpfs on /tmp and /dev/shm, and a /proc for the new pid namespace."""
+class _Commands:
+    """Newline-delimited JSON requests from the parent on fd 4 (blocking reads)."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+
+    def read(self) -> dict | None:
+        while True:
+            nl = self.buf.find(b"\n")
+            if nl >= 0:
+                line = bytes(self.buf[:nl])
+                del self.buf[: nl + 1]
+                return _json_loads(line)
+            data = _os_read(4, 1 << 20)
+            if not data:
+                return None
+            self.buf += data
+
+
+def _plan_view(cfg: dict, prot: dict) -> tuple[list[str], list[str], list[tuple[str, str]]]:
+    """Decide the minimal filesystem view: (directories exposed read-only at their own paths,
+    paths to cover inside them, symlinks to recreate). Raises ValueError naming a required
+    hidden path that the view cannot hide."""
+    required = list(cfg.get("hide_required", ()))
+    hidden_all = required + list(cfg.get("hide", ()))
+    links: list[tuple[str, str]] = []
+    exposed: set[str] = set()
+    for p in SYSTEM_VIEW:
+        if os.path.islink(p):
+            links.append((p, os.readlink(p)))
+        elif os.path.isdir(p):
+            exposed.add(p)
+    exposed.update(INTERP.get("interp", ()))
+    if cfg.get("site_packages"):
+        exposed.update(INTERP.get("site_on_path", ()))
+        # further sys.path entries come from .pth files (editable installs: source checkouts,
+        # which hold datasets): never part of the view
+        prot["not_exposed"] = list(INTERP.get("extra", ()))
+    exposed_list = _top_level(exposed)
+    for h in required:
+        for e in exposed_list:
+            if _under(e, h):
+                raise ValueError(f"cannot hide {h}: the sandbox's interpreter needs {e} inside it")
+    covers = []
+    hide = list(hidden_all)
+    if not cfg.get("site_packages"):  # installed packages may hold datasets: not part of the view
+        sites = list(INTERP.get("site_dirs", ())) + list(INTERP.get("site_on_path", ()))
+        hide += sites
+        prot["_site_dirs"] = sites
+    for h in hide:
+        if any(_under(h, e) for e in exposed_list) and not any(_under(e, h) for e in exposed_list):
+            covers.append(h)
+    prot["exposed"] = exposed_list
+    return exposed_list, sorted(set(covers)), links
+
+
+def _setup_root(cfg: dict, prot: dict) -> None:
+    """A fresh root: an empty tmpfs holding only the system directories and the interpreter
+    (read-only binds at their own paths), with the dataset paths inside them covered; fresh
+    size-limited tmpfs on /tmp and /dev/shm; a /dev with null, zero, full, random, urandom only;
+    a /proc of the new pid namespace; everything read-only, nosuid and nodev (but the five
+    devices); then pivot_root into it. Nothing outside the list exists in the sandbox."""
     mount(None, "/", None, MS_REC | MS_PRIVATE)
-    scratch = ["/tmp", "/dev/shm"]
-    hides = [h for h in cfg["hide"] if os.path.lexists(h) and h not in scratch]
-    under = lambda p, q: p == q or p.startswith(q.rstrip("/") + "/")
-    covered = hides + scratch
-    clones: dict[str, int] = {}
-    for e in EXPOSE:
-        if any(under(e, h) for h in covered):
+    exposed, covers, links = _plan_view(cfg, prot)
+    new = "/tmp"  # staging mount point: the host's /tmp is not part of the new view
+    grafts: dict[str, int] = {}
+    devs: dict[str, int] = {}
+    try:
+        for e in exposed:
             try:
-                clones[e] = open_tree(e)
+                grafts[e] = open_tree(e)
             except OSError as exc:
-                prot["warnings"].append(f"cannot re-expose {e}: {exc}")
-                hides = [h for h in hides if not under(e, h)]
-    hidden = []
-    for h in hides:
+                prot["warnings"].append(f"cannot expose {e}: {exc}")
+        for d in DEVICES:
+            try:
+                devs[d] = open_tree("/dev/" + d)
+            except OSError as exc:
+                prot["warnings"].append(f"cannot provide /dev/{d}: {exc}")
+        mount("tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=4096,mode=755")
+        for path, target in links:
+            os.symlink(target, new + path)
+        for e, fd in grafts.items():
+            os.makedirs(new + e, 0o755, exist_ok=True)
+            move_mount(fd, new + e)
+        size = int(cfg["tmp_mb"])
+        os.mkdir(new + "/tmp")
+        mount("tmpfs", new + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, f"size={size}m,nr_inodes=4096,mode=1777")
+        os.mkdir(new + "/dev", 0o755)
+        mount("tmpfs", new + "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "size=64k,nr_inodes=64,mode=755")
+        for d, fd in devs.items():
+            with open(new + "/dev/" + d, "w"):
+                pass
+            move_mount(fd, new + "/dev/" + d)
+        for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                             ("stderr", "/proc/self/fd/2")):
+            os.symlink(target, new + "/dev/" + name)
+        os.mkdir(new + "/dev/shm")
+        mount("tmpfs", new + "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, f"size={size}m,nr_inodes=4096,mode=1777")
+        prot["private_tmp"] = True
+        os.mkdir(new + "/proc")
         try:
-            if os.path.isdir(h) and not os.path.islink(h):
-                mount("tmpfs", h, "tmpfs", MS_NOSUID | MS_NODEV, "size=256k,nr_inodes=512,mode=755")
-            else:
-                mount("/dev/null", h, None, MS_BIND)
-            hidden.append(h)
+            mount("proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+            prot["private_proc"] = True
         except OSError as exc:
-            prot["warnings"].append(f"cannot hide {h}: {exc}")
-    size = int(cfg["tmp_mb"])
-    for s in scratch:
-        if os.path.isdir(s):
-            mount("tmpfs", s, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size}m,nr_inodes=4096,mode=1777")
-    prot["private_tmp"] = True
-    for e, fd in sorted(clones.items()):
+            prot["warnings"].append(f"cannot mount a private /proc: {exc}")
+        empty = new + "/.vpo-empty"
+        with open(empty, "w"):
+            pass
+        covered = []
+        for h in covers:
+            target = new + h
+            try:
+                if os.path.isdir(target) and not os.path.islink(target):
+                    mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,nr_inodes=16,mode=755")
+                elif os.path.lexists(target):
+                    mount(empty, target, None, MS_BIND)
+                covered.append(h)
+            except OSError as exc:
+                prot["warnings"].append(f"cannot hide {h}: {exc}")
+        os.mkdir(new + "/.old")
         try:
-            os.makedirs(e, 0o755, exist_ok=True)
-            move_mount(fd, e)
-        except OSError as exc:
-            prot["warnings"].append(f"cannot re-expose {e}: {exc}")
-        finally:
-            os.close(fd)
-    prot["hidden"] = hidden
-    try:
-        mount_setattr("/", True, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, 0)
-        for s in scratch:
-            mount_setattr(s, False, 0, MOUNT_ATTR_RDONLY)
-        prot["readonly_root"] = True
-    except OSError:
-        prot["readonly_root"] = _remount_readonly(set(scratch), prot)
-    try:
-        mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-        prot["private_proc"] = True
-    except OSError as exc:
-        prot["warnings"].append(f"cannot mount a private /proc: {exc}")
+            mount_setattr(new, True, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV, 0)
+            for s in ("/tmp", "/dev/shm"):
+                mount_setattr(new + s, False, 0, MOUNT_ATTR_RDONLY)
+            for d in devs:
+                mount_setattr(new + "/dev/" + d, False, 0, MOUNT_ATTR_NODEV)
+            prot["readonly_root"] = prot["nodev"] = True
+        except OSError:
+            prot["readonly_root"] = prot["nodev"] = _remount_readonly(new, {new + "/tmp", new + "/dev/shm"},
+                                                                       {new + "/dev/" + d for d in devs}, prot)
+        pivot_root(new, new + "/.old")
+        os.chdir("/")
+        try:
+            umount2("/.old", MNT_DETACH)
+        except OSError:  # a locked mount tree (user namespace): cover it instead
+            mount("tmpfs", "/.old", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, "size=4k,nr_inodes=16,mode=0")
+        prot["view"] = "minimal"
+    finally:
+        for fd in list(grafts.values()) + list(devs.values()):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
-def _remount_readonly(skip: set[str], prot: dict) -> bool:
-    """Fallback for kernels without mount_setattr: remount every mount read-only one by one."""
+def _remount_readonly(root: str, writable: set[str], devices: set[str], prot: dict) -> bool:
+    """Fallback for kernels without mount_setattr: remount every mount under ``root``
+    read-only, nosuid and nodev one by one (``writable`` stay writable, ``devices`` keep dev)."""
     ok = True
     flagmap = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC}
     with open("/proc/self/mountinfo") as fh:
@@ -586,17 +1057,33 @@ def _remount_readonly(skip: set[str], prot: dict) -> bool:
     for line in lines:
         parts = line.split()
         target = parts[4].encode().decode("unicode_escape")
-        if target in skip:
+        if not _under(target, root):
             continue
-        flags = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID
+        flags = MS_REMOUNT | MS_BIND | MS_NOSUID
         for opt in parts[5].split(","):
             flags |= flagmap.get(opt, 0)
+        if target not in writable:
+            flags |= MS_RDONLY
+        if target not in devices:
+            flags |= MS_NODEV
         try:
             mount(None, target, None, flags)
         except OSError as exc:
             ok = False
             prot["warnings"].append(f"cannot make {target} read-only: {exc}")
     return ok
+
+
+def _is_hidden(path: str) -> bool:
+    """Whether ``path`` shows nothing here: absent, an empty directory, or an empty file."""
+    try:
+        if not os.path.lexists(path):
+            return True
+        if os.path.isdir(path):
+            return not os.listdir(path)
+        return os.path.getsize(path) == 0
+    except OSError:
+        return True  # unreadable counts as hidden (nothing can be learned from it)
 
 
 def _set_limits(cfg: dict, mode: str) -> dict:
@@ -630,22 +1117,33 @@ def _set_limits(cfg: dict, mode: str) -> dict:
 
 
 def child_main(cfg: dict) -> int:
-    """Runs in C: finish isolation, then run the tests. Returns C's exit code."""
+    """Runs in C: finish isolation, then serve the parent's requests. Returns C's exit code."""
     mode = cfg["_mode"]
     cfg["_t"].append(time.time())
-    prot: dict = {"mode": mode, "warnings": list(cfg.get("_ns_errors", ())), "pidns": mode != "none",
-                  "netns": mode != "none", "hidden": [], "readonly_root": False, "private_tmp": False,
-                  "private_proc": False, "uid": None, "caps": "?", "nproc_enforced": False}
+    set_name("vpo-judge" if cfg.get("role") == "judge" else "vpo-sandbox")
+    prot: dict = {"mode": mode, "role": cfg.get("role", "candidate"), "warnings": list(cfg.get("_ns_errors", ())),
+                  "pidns": mode != "none", "netns": mode != "none" or NETNS[0] == "zygote",
+                  "netns_scope": NETNS[0] if mode == "root" or NETNS[0] == "zygote" else ("sandbox" if mode != "none" else None),
+                  "view": "host", "exposed": [], "not_exposed": [],
+                  "hidden": [], "readonly_root": False, "nodev": False, "private_tmp": False, "private_proc": False,
+                  "uid": None, "caps": "?", "nproc_enforced": False, "keyring": None, "seccomp": False}
     root = os.geteuid() == 0
     if mode != "none":
         try:
-            _setup_mounts(cfg, mode, prot)
+            _setup_root(cfg, prot)
+        except ValueError as exc:  # a required path cannot be hidden: a configuration error
+            _send({"ev": "fatal", "msg": str(exc), "prot": prot, "config": True})
+            return 2
         except OSError as exc:
-            prot["warnings"].append(f"mount setup failed: {exc}")
+            prot["warnings"].append(f"filesystem setup failed: {exc}")
         work = "/tmp/work"
         os.mkdir(work, 0o700)
     else:
-        work = cfg["_workdir"]
+        work = cfg.get("_workdir") or ""
+        prot["warnings"].append("no private filesystem view: nothing is hidden")
+        if not work:
+            _send({"ev": "fatal", "msg": "no work directory for a sandbox without namespaces", "prot": prot})
+            return 2
     uid = int(cfg["uid"])
     if root:
         try:
@@ -666,6 +1164,17 @@ def child_main(cfg: dict) -> int:
     else:
         prot["uid"] = os.getuid()
     prot["nproc_enforced"] = root or mode == "userns"
+    nr_keyctl = _nr("keyctl")
+    try:
+        if nr_keyctl is None:
+            raise OSError(38, "unknown architecture")
+        _check(_lib().syscall(ctypes.c_long(nr_keyctl), ctypes.c_long(KEYCTL_JOIN_SESSION_KEYRING), None), "keyctl")
+        prot["keyring"] = "fresh"
+    except OSError as exc:
+        if exc.errno == 38:  # ENOSYS: no keyring support in the kernel, nothing to inherit
+            prot["keyring"] = "none in kernel"
+        else:
+            prot["warnings"].append(f"cannot join a fresh session keyring: {exc}")
     try:
         prctl(PR_SET_NO_NEW_PRIVS, 1)
         prot["no_new_privs"] = True
@@ -678,19 +1187,34 @@ def child_main(cfg: dict) -> int:
     prot["caps"] = _cap_eff()
     if prot["caps"] not in ("0000000000000000",):
         prot["warnings"].append(f"capabilities left: {prot['caps']}")
+    # what is hidden is checked from inside, as the sandbox's own user
+    required = cfg.get("hide_required", ())
+    unhidden = [p for p in required if (os.path.lexists(p) if mode == "none" else not _is_hidden(p))]
+    if unhidden:
+        why = "no private filesystem view (namespaces unavailable)" if mode == "none" else "still readable"
+        _send({"ev": "fatal", "msg": f"cannot hide {unhidden[0]}: {why}", "prot": prot, "config": True})
+        return 2
+    listed = list(cfg.get("hide_required", ())) + list(cfg.get("hide", ())) + prot.pop("_site_dirs", [])
+    prot["hidden"] = sorted({p for p in listed if _is_hidden(p)})
     stdlib = os.path.dirname(os.__file__)
     if not os.access(stdlib, os.R_OK | os.X_OK):
         prot["warnings"].append(f"standard library {stdlib} not readable: only preloaded modules import")
-    if cfg.get("require") and (mode == "none" or prot["warnings"]):
-        _send({"ev": "fatal", "msg": "required isolation unavailable: " + "; ".join(prot["warnings"] or ["no namespaces"]),
-               "prot": prot})
-        return 2
     cfg["_t"].append(time.time())
     os.chdir(work)
     os.environ.clear()
     os.environ.update({"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": work, "LANG": "C.UTF-8", "TMPDIR": work})
-    runner = _TestRunner(cfg, prot)
+    runner = _JudgeRunner(cfg, prot) if cfg.get("role") == "judge" else _CandidateRunner(cfg, prot)
     prot["rlimits"] = _set_limits(cfg, mode)
+    if cfg.get("seccomp", True):
+        try:
+            prot["seccomp_instructions"] = install_seccomp()
+            prot["seccomp"] = True
+        except OSError as exc:
+            prot["warnings"].append(f"no seccomp filter: {exc}")
+    if cfg.get("require") and (mode == "none" or prot["warnings"]):
+        _send({"ev": "fatal", "msg": "required isolation unavailable: " + "; ".join(prot["warnings"] or ["no namespaces"]),
+               "prot": prot})
+        return 2
     t = cfg["_t"]
     t.append(time.time())
     prot["setup_ms"] = {"unshare": round(1000 * (t[1] - t[0]), 2), "fork": round(1000 * (t[2] - t[1]), 2),
@@ -719,15 +1243,28 @@ def _on_alarm(signum, frame):
     raise _TestTimeout()
 
 
-class _TestRunner:
-    """Runs the candidate's tests in this process and streams one event per step."""
+def _common_process_setup() -> None:
+    sys.argv[:] = ["solution.py"]
+    try:
+        sys.set_int_max_str_digits(0)
+    except AttributeError:  # pragma: no cover - Python < 3.11
+        pass
+    signal.signal(signal.SIGALRM, _on_alarm)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    for name in ("exit", "quit"):  # normally added by site, which -S skips
+        if not hasattr(builtins, name):
+            setattr(builtins, name, _Quitter(name))
+
+
+class _CandidateRunner:
+    """Loads the candidate's program, then runs one test per request and reports each."""
 
     def __init__(self, cfg: dict, prot: dict) -> None:
         self.cfg = cfg
         self.prot = prot
         self.code = cfg["code"]
-        self.tests = cfg["tests"]
-        self.start = int(cfg["start"])
+        self.prelude = cfg.get("prelude") or ""
+        self.needs_module = bool(cfg.get("needs_module"))
         self.timeout = float(cfg["test_timeout"])
         self.load_timeout = float(cfg["load_timeout"])
         self.cap = int(cfg["max_output_bytes"])
@@ -735,16 +1272,8 @@ class _TestRunner:
         self.out_fd = os.memfd_create("stdout", 0)
         self.err_fd = os.memfd_create("stderr", 0)
         self.pid1 = os.getpid() == 1
-        sys.argv[:] = ["solution.py"]
-        try:
-            sys.set_int_max_str_digits(0)
-        except AttributeError:  # pragma: no cover - Python < 3.11
-            pass
-        signal.signal(signal.SIGALRM, _on_alarm)
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        for name in ("exit", "quit"):  # normally added by site, which -S skips
-            if not hasattr(builtins, name):
-                setattr(builtins, name, _Quitter(name))
+        self.commands = _Commands()
+        _common_process_setup()
 
     # -- io plumbing
     def _redirect(self, data: str) -> None:
@@ -792,7 +1321,8 @@ class _TestRunner:
 
     def _namespace(self, name: str) -> dict:
         ns = {"__name__": name, "__builtins__": builtins}
-        exec(self.cfg["prelude"], ns)  # noqa: S102 - running code is this module's purpose
+        if self.prelude:
+            exec(self.prelude, ns)  # noqa: S102 - running code is this module's purpose
         return ns
 
     # -- main loop
@@ -803,13 +1333,12 @@ class _TestRunner:
         except BaseException as exc:  # noqa: BLE001 - SyntaxError, MemoryError, RecursionError...
             _send({"ev": "load_error", "msg": _describe(exc)})
             return 0
-        kinds = {t["kind"] for t in self.tests}
         module_ns = None
-        if kinds - {"stdio"}:
+        if self.needs_module:
             self._redirect("")
-            module_ns = self._namespace("__solution__")
             signal.setitimer(signal.ITIMER_REAL, self.load_timeout)
             try:
+                module_ns = self._namespace("__solution__")
                 exec(code_obj, module_ns)  # noqa: S102
                 err = None
             except _TestTimeout:
@@ -822,32 +1351,33 @@ class _TestRunner:
                 _send({"ev": "load_error", "msg": err})
                 return 0
             self._cleanup_processes()
-            _send({"ev": "loaded"})
-        for offset, test in enumerate(self.tests):
-            i = self.start + offset
-            _send({"ev": "begin", "i": i})
+        _send({"ev": "loaded"})
+        while True:
+            req = self.commands.read()
+            if req is None:
+                os._exit(0)  # the parent is done with us (no atexit, no thread joins)
+            timeout = float(req.get("timeout", self.timeout))
             try:
-                if test["kind"] == "stdio":
-                    msg = self._run_stdio(code_obj, test)
+                if req["kind"] == "stdio":
+                    msg = self._run_stdio(code_obj, req, timeout)
                 else:
-                    msg = self._run_value(module_ns, test)
+                    msg = self._run_value(module_ns, req, timeout)
             except _TestTimeout:  # the alarm fired between the candidate's return and its cancellation
                 signal.setitimer(signal.ITIMER_REAL, 0)
-                msg = {"st": "timeout", "t": self.timeout, "err": ""}
+                msg = {"st": "timeout", "t": timeout, "err": ""}
             self._cleanup_processes()
             msg["ev"] = "end"
-            msg["i"] = i
+            msg["i"] = req.get("i")
             _send(msg)
-        _send({"ev": "done"})
-        return 0
 
-    def _run_stdio(self, code_obj, test: dict) -> dict:
-        self._redirect(test.get("input", ""))
-        ns = self._namespace("__main__")
-        status, err = "ok", ""
-        signal.setitimer(signal.ITIMER_REAL, self.timeout)
+    def _run_stdio(self, code_obj, req: dict, timeout: float) -> dict:
+        self._redirect(req.get("input", ""))
+        status, err, etype = "ok", "", ""
+        signal.setitimer(signal.ITIMER_REAL, timeout)
         t0 = _perf()
+        ns = None
         try:
+            ns = self._namespace("__main__")
             try:
                 exec(code_obj, ns)  # noqa: S102
             except SystemExit:
@@ -860,43 +1390,161 @@ class _TestRunner:
         except _TestTimeout:
             status = "timeout"
         except BaseException as exc:  # noqa: BLE001
-            status, err = "error", _describe(exc)
+            status, err, etype = "error", _describe(exc), type(exc).__name__
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
         elapsed = _perf() - t0
-        ns.clear()
+        if ns is not None:
+            ns.clear()
         out, truncated, stderr = self._collect()
         if truncated and status == "ok":
             status, err = "error", f"output limit exceeded ({self.cap} bytes)"
-        return {"st": status, "t": elapsed, "out": out, "err": err or stderr[-500:]}
+        return {"st": status, "t": elapsed, "out": out, "err": err or stderr[-500:], "etype": etype}
 
-    def _run_value(self, module_ns: dict, test: dict) -> dict:
+    def _run_value(self, module_ns: dict, req: dict, timeout: float) -> dict:
         self._redirect("")
-        status, err, value = "ok", "", None
-        signal.setitimer(signal.ITIMER_REAL, self.timeout)
+        status, err, value, etype = "ok", "", None, ""
+        signal.setitimer(signal.ITIMER_REAL, timeout)
         t0 = _perf()
+        elapsed = 0.0
         try:
-            if test["kind"] == "call":
-                fn = _resolve(module_ns, test["fn"])
-                args = decode_value(test["args"])
-                result = fn(*args)
+            if req["kind"] == "call":
+                fn = _resolve(module_ns, req["fn"])
+                args = decode_value(req.get("args", []))
+                kw = decode_value(req["kw"]) if req.get("kw") else {}
+                result = fn(*args, **kw)
             else:
-                result = eval(compile(test["expr"], "<test>", "eval"), module_ns)
+                result = eval(compile(req["expr"], "<test>", "eval"), module_ns)
             elapsed = _perf() - t0
             value = encode_value(result)
         except _TestTimeout:
             status = "timeout"
         except BaseException as exc:  # noqa: BLE001 - includes SystemExit from the candidate
-            status, err = "error", _describe(exc)
+            status, err, etype = "error", _describe(exc), type(exc).__name__
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
         if status != "ok":
             elapsed = _perf() - t0
         self._collect()
-        msg = {"st": status, "t": elapsed, "err": err}
+        msg = {"st": status, "t": elapsed, "err": err, "etype": etype}
         if status == "ok":
             msg["val"] = value
         return msg
+
+
+class _CandidateTimeout(BaseException):
+    """The candidate ran out of time during a judge step (not catchable by ``except Exception``)."""
+
+
+class _CandidateDied(BaseException):
+    """The candidate's sandbox process died during a judge step."""
+
+
+class _CandidateRaised(Exception):
+    """The candidate raised an exception that is not a builtin exception type."""
+
+
+class _JudgeAbort(BaseException):
+    """The parent closed the command channel in the middle of a step."""
+
+
+class _JudgeRunner:
+    """Runs a dataset's own test code step by step. The code defines a generator
+    ``__vpo_steps__(candidate)`` that yields once per step (None, or the exception that ended
+    it); ``candidate`` here is a proxy whose every call is answered by the candidate's sandbox
+    through the parent, with plain values only."""
+
+    def __init__(self, cfg: dict, prot: dict) -> None:
+        self.cfg = cfg
+        self.prot = prot
+        self.load_timeout = float(cfg["load_timeout"])
+        self.commands = _Commands()
+        self.raised: str | None = None
+        _common_process_setup()
+        devnull = os.open("/dev/null", os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
+
+    def _candidate(self, *args: object, **kwargs: object) -> object:
+        msg = {"ev": "call", "args": encode_value(list(args))}
+        if kwargs:
+            msg["kw"] = encode_value(dict(kwargs))
+        _send(msg)
+        reply = self.commands.read()
+        if reply is None:
+            raise _JudgeAbort()
+        if "val" in reply:
+            return decode_value(reply["val"])
+        if reply.get("timeout"):
+            raise _CandidateTimeout("the candidate timed out")
+        if "died" in reply:
+            raise _CandidateDied(str(reply["died"]))
+        name, text = str(reply.get("exc") or "Exception"), str(reply.get("msg") or "")
+        self.raised = text or name
+        etype = getattr(builtins, name, None)
+        exc: BaseException = _CandidateRaised(text or name)
+        if isinstance(etype, type) and issubclass(etype, Exception):
+            try:
+                exc = etype(text)
+            except Exception:  # noqa: BLE001, S110 - an exception class with a different constructor
+                pass
+        raise exc
+
+    def run(self) -> int:
+        _send({"ev": "ready", "prot": self.prot})
+        signal.setitimer(signal.ITIMER_REAL, self.load_timeout)
+        try:
+            ns = {"__name__": "__main__", "__builtins__": builtins}
+            exec(compile(self.cfg["code"], "check.py", "exec"), ns)  # noqa: S102 - the dataset's test code
+            gen = ns["__vpo_steps__"](self._candidate)
+            err = None
+        except _TestTimeout:
+            err = "timeout while loading the test code"
+        except BaseException as exc:  # noqa: BLE001
+            err = _describe(exc)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        if err is not None:
+            _send({"ev": "load_error", "msg": err})
+            return 0
+        _send({"ev": "loaded"})
+        step = 0
+        finished = False
+        while True:
+            req = self.commands.read()
+            if req is None:
+                os._exit(0)
+            want = int(req["step"])
+            while step <= want:
+                self.raised = None
+                t0 = _perf()
+                if finished:
+                    outcome = None
+                else:
+                    try:
+                        outcome = next(gen)
+                    except StopIteration:  # the test code returned early: later steps are vacuous
+                        finished, outcome = True, None
+                    except BaseException as exc:  # noqa: BLE001 - outside any step: the test code is broken
+                        finished, outcome = True, exc
+                if isinstance(outcome, _JudgeAbort):
+                    os._exit(0)
+                if step == want:
+                    _send({"ev": "step", "k": step, "t": _perf() - t0, **self._verdict(outcome)})
+                step += 1
+
+    def _verdict(self, outcome: BaseException | None) -> dict:
+        if outcome is None:
+            return {"st": "ok"}
+        if isinstance(outcome, _CandidateTimeout):
+            return {"st": "timeout", "err": "the candidate timed out"}
+        if isinstance(outcome, _CandidateDied):
+            return {"st": "error", "err": f"the candidate's process died: {outcome}"}
+        if self.raised is not None and not isinstance(outcome, AssertionError):
+            return {"st": "error", "err": f"the candidate raised: {self.raised}"[:500]}
+        if isinstance(outcome, AssertionError):
+            return {"st": "fail", "err": "assertion failed" + (f": {_describe(outcome)}" if str(outcome) else "")}
+        return {"st": "fail", "err": f"the test raised {_describe(outcome)}"}
 
 
 def _resolve(ns: dict, name: str):
@@ -922,8 +1570,8 @@ def _describe(exc: BaseException) -> str:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "zygote":
-        zygote_main(int(sys.argv[2]))
+    if len(sys.argv) in (3, 4) and sys.argv[1] == "zygote":
+        zygote_main(int(sys.argv[2]), sys.argv[3] if len(sys.argv) == 4 else "auto")
     else:
-        sys.stderr.write("usage: _harness.py zygote SOCKET_FD\n")
+        sys.stderr.write("usage: _harness.py zygote SOCKET_FD [auto|off]\n")
         sys.exit(2)

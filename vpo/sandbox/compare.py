@@ -1,18 +1,34 @@
 """Judging outputs in the parent process: stdout token comparison and value comparison.
 
-Both run outside the sandbox on plain data (decoded from the codec), so no candidate code
-takes part in a verdict.
+Everything here runs outside the sandbox on plain data (decoded from the codec), so no
+candidate code takes part in a verdict. Every function is total on plain data: a comparison that
+Python would answer with an exception (``abs([1] - 0.5)``, ``float(10**400)``) is a failed
+comparison, never an exception out of the judge.
 """
 
 from __future__ import annotations
 
 import math
+import re
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
-__all__ = ["DEFAULT_ABS_TOL", "DEFAULT_REL_TOL", "stdout_matches", "values_match"]
+__all__ = [
+    "CMP_KINDS",
+    "DEFAULT_ABS_TOL",
+    "DEFAULT_REL_TOL",
+    "exact_equal",
+    "judge_value",
+    "render_value",
+    "stdout_matches",
+    "values_match",
+]
 
 DEFAULT_REL_TOL = 1e-6
 DEFAULT_ABS_TOL = 1e-6
+CMP_KINDS = ("eq", "ne", "is", "is_not", "truthy", "falsy", "abs_lt", "abs_le")
+_INT_TOKEN = re.compile(r"[+-]?\d+")
+_NUM_TOKEN = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 
 
 def _as_float(token: str) -> float | None:
@@ -27,12 +43,26 @@ def _close(a: float, b: float, rel_tol: float, abs_tol: float) -> bool:
     return math.isclose(a, b, rel_tol=rel_tol, abs_tol=abs_tol)
 
 
+def _token_matches(e: str, a: str, rel_tol: float, abs_tol: float) -> bool:
+    if _INT_TOKEN.fullmatch(e):
+        # an integer answer is exact: 1000000007 is not 1000000000, whatever the float tolerance
+        if not _NUM_TOKEN.fullmatch(a):
+            return False
+        try:
+            return Decimal(a) == Decimal(e)
+        except (InvalidOperation, ValueError):
+            return False
+    fe, fa = _as_float(e), _as_float(a)
+    return fe is not None and fa is not None and _close(fe, fa, rel_tol, abs_tol)
+
+
 def stdout_matches(
     expected: str, actual: str, rel_tol: float = DEFAULT_REL_TOL, abs_tol: float = DEFAULT_ABS_TOL
 ) -> bool:
     """Whitespace-insensitive token comparison, the usual judge rule: outputs match when their
-    whitespace-separated tokens are equal one by one, where two numeric tokens also match when
-    their values agree within the float tolerance (``1.5`` vs ``1.500000``). Line breaks,
+    whitespace-separated tokens are equal one by one, where a numeric token also matches a
+    number of the same value (``2`` vs ``2.000``), within the float tolerance when the expected
+    token is not an integer (``1.5`` vs ``1.5000001``). Integers compare exactly. Line breaks,
     trailing spaces and blank lines are not significant; letter case is."""
     exp_tokens = expected.split()
     act_tokens = actual.split()
@@ -40,36 +70,36 @@ def stdout_matches(
         return True
     if len(exp_tokens) != len(act_tokens):
         return False
-    for e, a in zip(exp_tokens, act_tokens):
-        if e == a:
-            continue
-        fe, fa = _as_float(e), _as_float(a)
-        if fe is None or fa is None or not _close(fe, fa, rel_tol, abs_tol):
-            return False
-    return True
+    return all(e == a or _token_matches(e, a, rel_tol, abs_tol) for e, a in zip(exp_tokens, act_tokens))
+
+
+def _is_num(x: Any) -> bool:
+    return type(x) in (int, float)
 
 
 def values_match(
     expected: Any, actual: Any, rel_tol: float = DEFAULT_REL_TOL, abs_tol: float = DEFAULT_ABS_TOL, depth: int = 0
 ) -> bool:
-    """Python equality on plain values, except that floats compare within tolerance (also
-    inside containers), NaN equals NaN, and a tuple equals a list with the same items (JSON
-    test files cannot tell them apart). Sets compare exactly."""
+    """The tolerant judge (JSON-sourced tests): Python equality on plain values, except that a
+    float expected value matches within tolerance (also inside containers), NaN equals NaN,
+    and a tuple equals a list with the same items (JSON cannot tell them apart). Integers are
+    exact: an int expected value needs a number of exactly that value. Sets compare exactly."""
     if depth > 200:
         return False
-    if isinstance(expected, bool) or isinstance(actual, bool):
+    if type(expected) is bool or type(actual) is bool:
         return expected == actual and type(expected) is not str and type(actual) is not str
-    e_num = isinstance(expected, (int, float)) and not isinstance(expected, bool)
-    a_num = isinstance(actual, (int, float)) and not isinstance(actual, bool)
-    if e_num and a_num:
-        if isinstance(expected, float) or isinstance(actual, float):
+    if _is_num(expected) and _is_num(actual):
+        if type(expected) is int:
+            return expected == actual  # int == float is exact in Python (no overflow)
+        try:
             fe, fa = float(expected), float(actual)
-            if math.isnan(fe) or math.isnan(fa):
-                return math.isnan(fe) and math.isnan(fa)
-            if math.isinf(fe) or math.isinf(fa):
-                return fe == fa
-            return _close(fe, fa, rel_tol, abs_tol)
-        return expected == actual
+        except OverflowError:  # an int beyond float range is never close to a finite float
+            return False
+        if math.isnan(fe) or math.isnan(fa):
+            return math.isnan(fe) and math.isnan(fa)
+        if math.isinf(fe) or math.isinf(fa):
+            return fe == fa
+        return _close(fe, fa, rel_tol, abs_tol)
     if isinstance(expected, (list, tuple)) and isinstance(actual, (list, tuple)):
         return len(expected) == len(actual) and all(
             values_match(e, a, rel_tol, abs_tol, depth + 1) for e, a in zip(expected, actual)
@@ -86,3 +116,123 @@ def values_match(
     if type(expected) in (str, bytes, complex, type(None)) or type(actual) in (str, bytes, complex, type(None)):
         return type(expected) is type(actual) and expected == actual
     return False
+
+
+def exact_equal(expected: Any, actual: Any) -> bool:
+    """Python's own ``expected == actual`` on plain values (what an ``assert f(x) == y`` of the
+    dataset computes): a tuple is not a list, ``1 == 1.0 == True``, floats exact, NaN unequal."""
+    try:
+        return bool(expected == actual)
+    except Exception:  # noqa: BLE001 - e.g. RecursionError on pathological nesting
+        return False
+
+
+def judge_value(
+    cmp: str,
+    expected: Any,
+    actual: Any,
+    *,
+    alternatives: tuple[Any, ...] = (),
+    equality: str = "tolerant",
+    tol: float | None = None,
+    rel_tol: float = DEFAULT_REL_TOL,
+    abs_tol: float = DEFAULT_ABS_TOL,
+) -> bool:
+    """Whether ``actual`` passes a test: ``eq`` / ``ne`` (``equality`` exact = Python ``==``,
+    tolerant = :func:`values_match`; ``tol`` overrides the tolerance), ``is`` / ``is_not``
+    (identity with True, False or None, as ``assert f(x) is True``), ``truthy`` / ``falsy``
+    (``assert f(x)`` / ``assert not f(x)``), ``abs_lt`` / ``abs_le`` (``abs(f(x) - expected) <
+    tol``). Any exception Python would raise evaluating the check counts as a failure."""
+    try:
+        if cmp in ("eq", "ne"):
+            if equality == "exact":
+                same = any(exact_equal(e, actual) for e in (expected, *alternatives))
+            else:
+                rel, abs_ = (0.0, tol) if tol is not None else (rel_tol, abs_tol)
+                same = any(values_match(e, actual, rel, abs_) for e in (expected, *alternatives))
+            return same if cmp == "eq" else not same
+        if cmp == "is":
+            return actual is expected
+        if cmp == "is_not":
+            return actual is not expected
+        if cmp == "truthy":
+            return bool(actual)
+        if cmp == "falsy":
+            return not actual
+        if cmp in ("abs_lt", "abs_le"):
+            if tol is None:
+                return False
+            diff = abs(actual - expected)
+            return bool(diff < tol) if cmp == "abs_lt" else bool(diff <= tol)
+    except Exception:  # noqa: BLE001 - TypeError, OverflowError...: the dataset's assert would fail
+        return False
+    raise ValueError(f"unknown comparison {cmp!r}; expected one of {', '.join(CMP_KINDS)}")
+
+
+class _Full(Exception):
+    pass
+
+
+def render_value(value: Any, limit: int = 2000) -> str:
+    """``repr`` of plain data, bounded in time and size: stops after ``limit`` characters and
+    shows huge ints by size (their decimal form is quadratic to compute)."""
+    if isinstance(value, str):
+        return value if len(value) <= limit else value[:limit] + "..."
+    parts: list[str] = []
+    size = 0
+
+    def emit(s: str) -> None:
+        nonlocal size
+        parts.append(s)
+        size += len(s)
+        if size > limit:
+            raise _Full
+
+    def seq(open_: str, items: Any, close: str, depth: int) -> None:
+        emit(open_)
+        for k, item in enumerate(items):
+            if k:
+                emit(", ")
+            walk(item, depth + 1)
+        emit(close)
+
+    def walk(x: Any, depth: int) -> None:
+        t = type(x)
+        if depth > 60:
+            emit("...")
+        elif t is int:
+            emit(repr(x) if x.bit_length() < 3000 else f"<int of {x.bit_length()} bits>")
+        elif t in (str, bytes):
+            emit(repr(x[: limit + 1]))
+        elif t in (float, complex, bool) or x is None:
+            emit(repr(x))
+        elif t is list:
+            seq("[", x, "]", depth)
+        elif t is tuple:
+            seq("(", x, ",)" if len(x) == 1 else ")", depth)
+        elif t in (set, frozenset):
+            if not x:
+                emit("set()" if t is set else "frozenset()")
+            elif t is set:
+                seq("{", x, "}", depth)
+            else:
+                seq("frozenset({", x, "})", depth)
+        elif t is dict:
+            emit("{")
+            for k, (key, item) in enumerate(x.items()):
+                if k:
+                    emit(", ")
+                walk(key, depth + 1)
+                emit(": ")
+                walk(item, depth + 1)
+            emit("}")
+        else:
+            emit(f"<{t.__name__}>")
+
+    try:
+        walk(value, 0)
+    except _Full:
+        return "".join(parts)[:limit] + "..."
+    except Exception:  # noqa: BLE001 - plain data only, but stay total
+        return "<unprintable>"
+    return "".join(parts)

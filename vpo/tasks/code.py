@@ -31,22 +31,25 @@ from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
+from typing_extensions import TypedDict  # pydantic (which validates task parameters) needs it before 3.12
 
 from vpo.answers import parse_code_answers, python_ast_key
 from vpo.rewards import VectorReward
-from vpo.sandbox import Job, Sandbox, SandboxConfig, TestCase
+from vpo.sandbox import Job, Sandbox, SandboxConfig, TestCase, default_hide_paths
 from vpo.tasks import Task, register_task
-from vpo.tasks.code_formats import ImportStats, load_problems, select_tests
+from vpo.tasks.code_formats import FORMATS, ImportStats, judge_settings, load_problems, select_tests
 
 __all__ = [
     "EMBEDDED_PROBLEMS",
     "CodeTask",
     "CodeTestsReward",
+    "SandboxParams",
     "code_instruction",
     "make_code_task",
+    "row_judge",
     "row_tests",
 ]
 
@@ -55,6 +58,50 @@ log = logging.getLogger("vpo.tasks.code")
 EMBEDDED_PROBLEMS = Path(__file__).resolve().parents[1] / "data" / "code" / "problems.jsonl"
 DEFAULT_MAX_TESTS = 16
 _TEST_SPLITS = {"test", "validation", "valid", "dev", "eval"}
+
+
+Format = Literal["auto", "vpo", "livecodebench", "humaneval", "mbpp", "apps", "deepcoder"]
+Equality = Literal["dataset", "exact", "tolerant"]
+Prelude = Literal["dataset", "none", "competitive"]
+Asserts = Literal["translate", "check"]
+ProblemTimeout = float | Literal["dataset", "off"]
+SourceSpec = str | dict[Literal["train", "test"], str | list[str]]
+
+
+class SandboxParams(TypedDict, total=False):
+    """The ``sandbox`` task parameter: any :class:`vpo.sandbox.SandboxConfig` fields."""
+
+    test_timeout: float
+    load_timeout: float
+    grace: float
+    total_timeout: float | None
+    memory_mb: int
+    stack_mb: int
+    max_processes: int
+    max_open_files: int
+    max_output_bytes: int
+    tmp_mb: int
+    workers: int | None
+    python: str | None
+    site_packages: bool
+    namespaces: Literal["auto", "require", "off"]
+    hide_paths: list[str]
+    hide_defaults: bool
+    seccomp: bool
+    uid_base: int
+    max_rounds: int | None
+    rel_tol: float
+    abs_tol: float
+    prelude: str
+
+
+SandboxParams.__pydantic_config__ = {"extra": "forbid"}  # type: ignore[attr-defined]  # unknown keys: an error
+
+
+def row_judge(row: Mapping[str, Any]) -> dict[str, Any]:
+    """A row's judge settings (``equality``, ``prelude``, ``problem_timeout``): its ``judge``
+    column (a dict or its JSON), else the defaults of the vpo schema."""
+    return judge_settings(row.get("judge"), "vpo")
 
 
 def row_tests(row: Mapping[str, Any]) -> list[TestCase]:
@@ -211,7 +258,7 @@ class CodeTestsReward(VectorReward):
                 if hit is not None:
                     known[key] = hit
                 else:
-                    todo[key] = Job(_program(a, row), tuple(tests), row.get("entry_point") or None)
+                    todo[key] = self._job(_program(a, row), tests, row)
             plans.append((keys, len(tests)))
         if todo:
             jobs = list(todo.items())
@@ -228,6 +275,13 @@ class CodeTestsReward(VectorReward):
                 mat[i, :n] = np.asarray(known[key], dtype=np.float64)
             out.append(mat)
         return out
+
+    def _job(self, code: str, tests: Sequence[TestCase], row: Mapping[str, Any]) -> Job:
+        """The sandbox job of one answer, judged by the row's settings."""
+        judge = row_judge(row)
+        return Job(code, tuple(tests), row.get("entry_point") or None,
+                   prelude="" if judge["prelude"] == "none" else None, equality=judge["equality"],
+                   problem_timeout=judge["problem_timeout"], check_code=row.get("check_code") or "")
 
     def prefetch(self, completions: Sequence[str], rows: Sequence[Mapping[str, Any]], m: int) -> None:
         """Run every answer of many rollouts in one parallel batch so that the per-rollout
@@ -262,6 +316,8 @@ def _problem_key(row: Mapping[str, Any], tests: Sequence[TestCase]) -> str:
     h.update(str(row.get("id", "")).encode())
     h.update(str(row.get("entry_point") or "").encode())
     h.update(str(row.get("setup_code") or "").encode())
+    h.update(str(row.get("check_code") or "").encode())
+    h.update(json.dumps(row_judge(row), sort_keys=True).encode())
     h.update(json.dumps([t.to_dict() for t in tests], sort_keys=True).encode())
     return h.hexdigest()
 
@@ -292,9 +348,22 @@ class CodeTask(Task):
         limit: int | None = None,
         sandbox: SandboxConfig | Mapping[str, Any] | None = None,
         hide_source: bool = True,
+        equality: str = "dataset",
+        prelude: str = "dataset",
+        problem_timeout: float | str = "dataset",
+        asserts: str = "translate",
     ) -> None:
         if not 0.0 <= test_fraction <= 1.0:
             raise ValueError(f"test_fraction must be in [0, 1], got {test_fraction}")
+        if format != "auto" and format not in FORMATS:
+            raise ValueError(f"format must be auto or one of {', '.join(FORMATS)}, got {format!r}")
+        for name, value, allowed in (("equality", equality, get_args(Equality)), ("prelude", prelude, get_args(Prelude)),
+                                     ("asserts", asserts, get_args(Asserts))):
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+        if not (problem_timeout in ("dataset", "off") or (isinstance(problem_timeout, (int, float))
+                                                         and not isinstance(problem_timeout, bool) and problem_timeout > 0)):
+            raise ValueError(f"problem_timeout must be 'dataset', 'off' or a positive number of seconds, got {problem_timeout!r}")
         # one source (split by field / date / hash) or one source per split ({train: ..., test: ...})
         self.sources: dict[str | None, list[Path]] = {}
         if isinstance(source, Mapping):
@@ -317,10 +386,30 @@ class CodeTask(Task):
         self.split_seed = int(split_seed)
         self.test_after = test_after
         self.limit = limit
-        hide = sorted({str(p.resolve().parent) for ps in self.sources.values() for p in ps}) if hide_source else []
+        self.equality = equality
+        self.prelude = prelude
+        self.problem_timeout = problem_timeout
+        self.asserts = asserts
+        # the dataset files themselves, by their own paths (never a parent folder: hiding /data
+        # to hide /data/x.jsonl is impossible when /data is a system folder, and too much anyway)
+        hide = sorted({str(p.resolve()) for ps in self.sources.values() for p in ps}) if hide_source else []
+        default_hide_paths(hide, defaults=False)  # a source that cannot be hidden: ValueError naming it
         self.reward = CodeTestsReward(max_tests=self.max_tests, sandbox=sandbox, hide_paths=hide)
         self.import_stats = ImportStats()
         self._rows: dict[str, list[dict[str, Any]]] | None = None
+
+    def _judge(self, prob: Mapping[str, Any]) -> dict[str, Any]:
+        """The problem's judge settings (its source's by default) with the task's overrides."""
+        judge = dict(prob.get("judge") or judge_settings(None, prob.get("source_format") or "vpo"))
+        if self.equality != "dataset":
+            judge["equality"] = self.equality
+        if self.prelude != "dataset":
+            judge["prelude"] = self.prelude
+        if self.problem_timeout == "off":
+            judge["problem_timeout"] = None
+        elif self.problem_timeout != "dataset":
+            judge["problem_timeout"] = float(self.problem_timeout)
+        return judge_settings(judge)
 
     # -- rows
     def _split_of(self, prob: Mapping[str, Any]) -> str:
@@ -343,7 +432,7 @@ class CodeTask(Task):
             for fixed, paths in self.sources.items():
                 for path in paths:
                     fmt = "vpo" if path == EMBEDDED_PROBLEMS else self.format
-                    for prob in load_problems(path, fmt, self.import_stats):
+                    for prob in load_problems(path, fmt, self.import_stats, translate=self.asserts == "translate"):
                         if prob["id"] in seen:
                             raise ValueError(f"problem id {prob['id']!r} appears in two sources")
                         seen.add(prob["id"])
@@ -356,14 +445,14 @@ class CodeTask(Task):
                             self.import_stats.add("dropped_before_test_after")
                             continue
                         split = fixed or self._split_of(prob)
-                        rows[split].append(self._row(prob, tests, split))
+                        rows[split].append(self._row(prob, tests, split, self._judge(prob)))
             if self.limit is not None:
                 rows = {k: v[: self.limit] for k, v in rows.items()}
             self._rows = rows
         return self._rows
 
     @staticmethod
-    def _row(prob: Mapping[str, Any], tests: list[dict[str, Any]], split: str) -> dict[str, Any]:
+    def _row(prob: Mapping[str, Any], tests: list[dict[str, Any]], split: str, judge: Mapping[str, Any]) -> dict[str, Any]:
         entry = prob.get("entry_point")
         starter = prob.get("starter_code") or ""
         kinds = {t["type"] for t in tests}
@@ -384,6 +473,8 @@ class CodeTask(Task):
             "entry_point": entry or "",
             "starter_code": starter,
             "setup_code": prob.get("setup_code") or "",
+            "check_code": prob.get("check_code") or "",
+            "judge": json.dumps(dict(judge), sort_keys=True),
             "solutions": list(prob.get("solutions") or []),
             "title": prob.get("title") or "",
             "difficulty": prob.get("difficulty") or "",
@@ -441,7 +532,39 @@ class CodeTask(Task):
 
 
 @register_task("code")
-def make_code_task(**params: Any) -> CodeTask:
-    """Factory for the registry: ``get_task("code", source=None, max_tests=16, ...)``."""
-    return CodeTask(**params)
+def make_code_task(
+    *,
+    source: SourceSpec | None = None,
+    format: Format = "auto",
+    max_tests: int = DEFAULT_MAX_TESTS,
+    min_tests: int = 1,
+    test_fraction: float = 0.25,
+    split_seed: int = 0,
+    test_after: str | None = None,
+    limit: int | None = None,
+    sandbox: SandboxParams | None = None,
+    hide_source: bool = True,
+    equality: Equality = "dataset",
+    prelude: Prelude = "dataset",
+    problem_timeout: ProblemTimeout = "dataset",
+    asserts: Asserts = "translate",
+) -> CodeTask:
+    """Factory for the registry: ``get_task("code", source=None, max_tests=16, ...)``.
 
+    ``source``: a dataset file or folder, or ``{train: ..., test: ...}`` (one path or a list per
+    split); None: the embedded problems. ``format``: the importer (``auto`` detects per record).
+    ``max_tests`` / ``min_tests``: reward dimensions per problem / problems with fewer usable
+    tests are dropped. ``test_fraction`` / ``split_seed`` / ``test_after``: the split (field,
+    date cut, or hash). ``limit``: rows per split. ``sandbox``: SandboxConfig fields.
+    ``hide_source``: hide the dataset files (by their own paths) from candidates; a path that
+    cannot be hidden is an error naming it. Judge settings (``dataset`` = the source's own
+    semantics, see docs/code_task.md): ``equality`` (``exact`` Python ``==`` or ``tolerant``:
+    floats within tolerance, tuple == list), ``prelude`` (``none`` or ``competitive`` imports
+    before the program), ``problem_timeout`` (seconds for all tests of a problem together, or
+    ``off``: per-test limits only), ``asserts`` (``translate``: simple asserts judged in the
+    parent, the rest as judge-sandbox steps; ``check``: every assert a judge-sandbox step)."""
+    return CodeTask(
+        source=source, format=format, max_tests=max_tests, min_tests=min_tests, test_fraction=test_fraction,
+        split_seed=split_seed, test_after=test_after, limit=limit, sandbox=sandbox, hide_source=hide_source,
+        equality=equality, prelude=prelude, problem_timeout=problem_timeout, asserts=asserts,
+    )

@@ -3,12 +3,16 @@
 Every loader returns problems in one canonical form (documented in docs/code_task.md)::
 
     {"id": str, "prompt": str, "tests": [test, ...], "entry_point": str | None,
-     "starter_code": str, "setup_code": str, "solutions": [{"strategy": str, "code": str}],
-     "split": str | None, "date": str | None, "difficulty": str | None, "title": str | None,
-     "source_format": str}
+     "starter_code": str, "setup_code": str, "check_code": str, "judge": {...},
+     "solutions": [{"strategy": str, "code": str}], "split": str | None, "date": str | None,
+     "difficulty": str | None, "title": str | None, "source_format": str}
 
 with each test one of ``{"type": "stdio", "input", "output"}``, ``{"type": "call", "args",
-"expected"[, "alternatives", "tol"]}`` or ``{"type": "expr", "expr", "expected"[, "tol"]}``.
+"expected"[, "cmp", "alternatives", "tol"]}``, ``{"type": "expr", "expr", "expected", ...}`` or
+``{"type": "check", "step", "text"}`` (a statement of the dataset's own test code, run from
+``check_code`` in a judge sandbox). ``judge`` holds how the source judges: ``equality`` (exact
+Python ``==`` or tolerant), ``prelude`` (none, or the competitive-programming imports) and
+``problem_timeout`` (one time limit per problem, or none); see :data:`JUDGE_DEFAULTS`.
 
 Importers (auto-detected per record, or forced with ``fmt=``):
 
@@ -24,10 +28,11 @@ Importers (auto-detected per record, or forced with ``fmt=``):
 * ``deepcoder``: ``problem`` with ``tests`` in any of the DeepCoder subsets' shapes (APPS-like
   dict, LCB-like list with ``testtype``, PrimeIntellect ``stdin_stdout`` / ``function_call``).
 
-Assert-style tests become parent-judged call tests where possible (``assert f(1, 2) == 3``,
-``assert abs(f(x) - 1.5) < 1e-6``, ``assert math.isclose(f(x), y)``); other asserts become
-``expr`` tests whose value is judged in the parent; statements that are not asserts (loops,
-helper definitions) are skipped and counted.
+Assert-based tests (HumanEval, MBPP) keep their authors' semantics: simple asserts
+(``assert f(1, 2) == 3``, ``is True``, truthiness, ``abs(f(x) - v) < tol``) become parent-judged
+call tests with Python's exact comparison; every other statement (loops over generated inputs,
+asserts using helpers or local variables) is run as the dataset's own code, one test per
+statement, in a judge sandbox (see :func:`assert_tests`).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from __future__ import annotations
 import ast
 import base64
 import builtins
+import copy
 import gzip
 import hashlib
 import io
@@ -50,8 +56,10 @@ from vpo.sandbox import TestCase, encode_value
 
 __all__ = [
     "FORMATS",
+    "JUDGE_DEFAULTS",
     "ImportStats",
-    "asserts_to_tests",
+    "assert_tests",
+    "check_program",
     "decode_lcb_tests",
     "detect_format",
     "from_apps",
@@ -60,8 +68,10 @@ __all__ = [
     "from_livecodebench",
     "from_mbpp",
     "from_vpo",
+    "judge_settings",
     "load_problems",
     "normalize_problem",
+    "prompt_helpers",
     "read_records",
 ]
 
@@ -157,9 +167,12 @@ def detect_format(rec: Mapping[str, Any]) -> str:
     raise ValueError(f"cannot tell the format of a record with fields {sorted(rec)[:12]}")
 
 
-def load_problems(path: str | Path, fmt: str = "auto", stats: ImportStats | None = None) -> list[dict[str, Any]]:
+def load_problems(
+    path: str | Path, fmt: str = "auto", stats: ImportStats | None = None, translate: bool = True
+) -> list[dict[str, Any]]:
     """Read a dataset file/folder and convert every record to the canonical problem form.
-    Problems without any usable test are dropped (and counted in ``stats``)."""
+    Problems without any usable test are dropped (and counted in ``stats``). ``translate``:
+    simple asserts become parent-judged tests (else every assert is a judge-sandbox step)."""
     if fmt != "auto" and fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; expected auto or one of {', '.join(FORMATS)}")
     stats = stats if stats is not None else ImportStats()
@@ -168,7 +181,7 @@ def load_problems(path: str | Path, fmt: str = "auto", stats: ImportStats | None
     for i, rec in enumerate(read_records(path)):
         stats.add("records")
         kind = detect_format(rec) if fmt == "auto" else fmt
-        prob = IMPORTERS[kind](rec, stats)
+        prob = IMPORTERS[kind](rec, stats, translate) if kind in ("humaneval", "mbpp") else IMPORTERS[kind](rec, stats)
         if not prob["id"]:
             prob["id"] = f"{kind}-{i}"
         if prob["id"] in seen:
@@ -201,6 +214,8 @@ def normalize_problem(
     title: str | None = None,
     source_format: str = "vpo",
     stats: ImportStats | None = None,
+    check_code: str | None = "",
+    judge: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Validate and build one canonical problem; invalid tests are dropped and counted."""
     good: list[dict[str, Any]] = []
@@ -212,7 +227,7 @@ def normalize_problem(
                 stats.add("tests_invalid")
             log.debug("dropping an invalid test of %s: %s", id, exc)
             continue
-        if case.kind == "call" and not entry_point:
+        if (case.kind == "call" and not entry_point) or (case.kind == "check" and not (check_code and entry_point)):
             if stats is not None:
                 stats.add("tests_invalid")
             continue
@@ -230,6 +245,8 @@ def normalize_problem(
         "entry_point": entry_point or None,
         "starter_code": starter_code or "",
         "setup_code": setup_code or "",
+        "check_code": check_code or "",
+        "judge": judge_settings(judge, source_format),
         "solutions": sols,
         "split": split,
         "date": None if date is None else str(date),
@@ -249,7 +266,7 @@ def from_vpo(rec: Mapping[str, Any], stats: ImportStats | None = None) -> dict[s
         id=rec.get("id"), prompt=rec.get("prompt", ""), tests=tests, entry_point=rec.get("entry_point"),
         starter_code=rec.get("starter_code"), setup_code=rec.get("setup_code"), solutions=rec.get("solutions") or (),
         split=rec.get("split"), date=rec.get("date"), difficulty=rec.get("difficulty"), title=rec.get("title"),
-        source_format="vpo", stats=stats,
+        source_format="vpo", stats=stats, check_code=rec.get("check_code"), judge=judge_settings(rec.get("judge"), "vpo"),
     )
 
 
@@ -333,140 +350,166 @@ def from_livecodebench(rec: Mapping[str, Any], stats: ImportStats | None = None)
 
 # ------------------------------------------------------------------------------------ asserts
 
+# How assert-based datasets (HumanEval, MBPP) are judged by their own harnesses: the program is
+# the prompt (or setup code) + the solution + the test code, run with no extra imports, every
+# assert evaluated by Python itself, one time limit for the whole problem.
+JUDGE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "humaneval": {"equality": "exact", "prelude": "none", "problem_timeout": 3.0},
+    "mbpp": {"equality": "exact", "prelude": "none", "problem_timeout": 3.0},
+    "vpo": {"equality": "tolerant", "prelude": "competitive", "problem_timeout": None},
+    "livecodebench": {"equality": "tolerant", "prelude": "competitive", "problem_timeout": None},
+    "apps": {"equality": "tolerant", "prelude": "competitive", "problem_timeout": None},
+    "deepcoder": {"equality": "tolerant", "prelude": "competitive", "problem_timeout": None},
+}
+CANDIDATE = "candidate"  # the name the judge's test code calls the solution by
+_FOLD_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+             ast.Pow: lambda a, b: a ** b, ast.FloorDiv: lambda a, b: a // b, ast.Mod: lambda a, b: a % b,
+             ast.Div: lambda a, b: a / b}
 
-def _literal(node: ast.AST) -> tuple[bool, Any]:
+
+def judge_settings(value: Any, fmt: str = "vpo") -> dict[str, Any]:
+    """A problem's judge settings (``equality``, ``prelude``, ``problem_timeout``): the
+    format's defaults updated with ``value`` (a mapping or its JSON), validated."""
+    out = dict(JUDGE_DEFAULTS.get(fmt, JUDGE_DEFAULTS["vpo"]))
+    if isinstance(value, str) and value.strip():
+        value = json.loads(value)
+    if isinstance(value, Mapping):
+        unknown = set(value) - set(out)
+        if unknown:
+            raise ValueError(f"unknown judge settings {sorted(unknown)}; expected {sorted(out)}")
+        out.update(value)
+    if out["equality"] not in ("exact", "tolerant"):
+        raise ValueError(f"judge equality must be exact or tolerant, got {out['equality']!r}")
+    if out["prelude"] not in ("none", "competitive"):
+        raise ValueError(f"judge prelude must be none or competitive, got {out['prelude']!r}")
+    pt = out["problem_timeout"]
+    if pt is not None and (isinstance(pt, bool) or not isinstance(pt, (int, float)) or not pt > 0):
+        raise ValueError(f"judge problem_timeout must be a positive number or null, got {pt!r}")
+    return out
+
+
+def _small(v: Any) -> bool:
+    if type(v) is int:
+        return v.bit_length() <= 4096
+    if isinstance(v, (str, bytes, list, tuple, set, frozenset, dict)):
+        return len(v) <= 10_000
+    return True
+
+
+def _const(node: ast.AST) -> tuple[bool, Any]:
+    """The value of a constant expression: a literal, or arithmetic on literals such as
+    ``3 * 19`` or ``'ab' + 'c'`` (folded here exactly as Python computes it, size-bounded)."""
     try:
         return True, ast.literal_eval(node)
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        return False, None
+        pass
+    if isinstance(node, ast.BinOp) and type(node.op) in _FOLD_OPS:
+        ok_a, a = _const(node.left)
+        ok_b, b = _const(node.right)
+        if not (ok_a and ok_b and _small(a) and _small(b)):
+            return False, None
+        if isinstance(node.op, ast.Pow) and not (type(b) is int and 0 <= b <= 256 and type(a) in (int, float)):
+            return False, None
+        if isinstance(node.op, ast.Mult) and any(isinstance(x, (str, bytes, list, tuple)) for x in (a, b)) \
+                and any(type(x) is int and x > 10_000 for x in (a, b)):
+            return False, None
+        try:
+            v = _FOLD_OPS[type(node.op)](a, b)
+        except Exception:  # noqa: BLE001 - ZeroDivisionError, TypeError...: not a constant test
+            return False, None
+        return (True, v) if _small(v) else (False, None)
+    if isinstance(node, (ast.Tuple, ast.List)):
+        vals = []
+        for elt in node.elts:
+            ok, v = _const(elt)
+            if not ok:
+                return False, None
+            vals.append(v)
+        return True, (tuple(vals) if isinstance(node, ast.Tuple) else vals)
+    return False, None
 
 
-def _calls(node: ast.AST, names: set[str]) -> bool:
-    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in names for n in ast.walk(node))
-
-
-class _Rename(ast.NodeTransformer):
-    def __init__(self, old: str, new: str) -> None:
-        self.old, self.new = old, new
-
-    def visit_Name(self, node: ast.Name) -> ast.AST:
-        if node.id == self.old:
-            return ast.copy_location(ast.Name(id=self.new, ctx=node.ctx), node)
-        return node
-
-
-def _direct_call(node: ast.AST, names: set[str]) -> list[Any] | None:
-    """Literal positional args if ``node`` is ``fn(<literals>)`` for fn in names."""
-    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in names) or node.keywords:
+def _direct_call(node: ast.AST) -> list[Any] | None:
+    """Constant positional args if ``node`` is ``candidate(<constants>)``."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == CANDIDATE) or node.keywords:
         return None
     args = []
     for a in node.args:
         if isinstance(a, ast.Starred):
             return None
-        ok, v = _literal(a)
+        ok, v = _const(a)
         if not ok:
             return None
         args.append(v)
     return args
 
 
-def _value_test(expr: ast.AST, expected: Any, names: set[str], tol: float | None = None) -> dict[str, Any]:
-    args = _direct_call(expr, names)
-    if args is not None:
-        t: dict[str, Any] = {"type": "call", "args": encode_value(args), "expected": encode_value(expected)}
-    else:
-        t = {"type": "expr", "expr": ast.unparse(expr), "expected": encode_value(expected)}
+def _call_test(args: list[Any], cmp: str, expected: Any = None, tol: float | None = None) -> dict[str, Any] | None:
+    t: dict[str, Any] = {"type": "call", "args": encode_value(args), "expected": encode_value(expected)}
+    if cmp != "eq":
+        t["cmp"] = cmp
     if tol is not None:
         t["tol"] = tol
+    try:
+        TestCase.from_dict(t)
+    except (ValueError, TypeError):
+        return None
     return t
 
 
-def _assert_test(test: ast.AST, names: set[str]) -> dict[str, Any] | None:
-    """Convert one assert's condition to a test, judged in the parent wherever possible."""
-    if not _calls(test, names):
+def _translate(cond: ast.AST, bound: set[str]) -> dict[str, Any] | None:
+    """A parent-judged test with exactly the semantics of ``assert cond``, for the shapes
+    ``candidate(c) == c`` / ``!=`` / ``is True|False|None`` / ``is not``, ``candidate(c)``,
+    ``not candidate(c)`` and ``abs(candidate(c) - c) < c`` / ``<=`` (c: constants); None for
+    anything else (run as the dataset's own code in the judge sandbox instead)."""
+    if isinstance(cond, ast.Compare) and len(cond.ops) == 1:
+        op, left, right = cond.ops[0], cond.left, cond.comparators[0]
+        if isinstance(op, (ast.Eq, ast.NotEq, ast.Is, ast.IsNot)):
+            for call, other in ((left, right), (right, left)):
+                args = _direct_call(call)
+                ok, val = _const(other)
+                if args is None or not ok:
+                    continue
+                if isinstance(op, (ast.Eq, ast.NotEq)):
+                    return _call_test(args, "eq" if isinstance(op, ast.Eq) else "ne", val)
+                if val is True or val is False or val is None:
+                    return _call_test(args, "is" if isinstance(op, ast.Is) else "is_not", val)
+            return None
+        if isinstance(op, (ast.Lt, ast.LtE)) and "abs" not in bound and isinstance(left, ast.Call) \
+                and isinstance(left.func, ast.Name) and left.func.id == "abs" and len(left.args) == 1 \
+                and not left.keywords and isinstance(left.args[0], ast.BinOp) and isinstance(left.args[0].op, ast.Sub):
+            args = _direct_call(left.args[0].left)
+            ok_v, val = _const(left.args[0].right)
+            ok_t, tol = _const(right)
+            if args is not None and ok_v and ok_t and type(val) in (int, float) and type(tol) in (int, float):
+                return _call_test(args, "abs_lt" if isinstance(op, ast.Lt) else "abs_le", val, float(tol))
         return None
-    if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Eq, ast.Is)):
-        left, right = test.left, test.comparators[0]
-        ok, val = _literal(right)
-        if ok and _calls(left, names):
-            return _value_test(left, val, names)
-        ok, val = _literal(left)
-        if ok and _calls(right, names):
-            return _value_test(right, val, names)
-    # abs(f(x) - v) < tol  /  abs(v - f(x)) <= tol
-    if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Lt, ast.LtE)):
-        ok_tol, tol = _literal(test.comparators[0])
-        inner = test.left
-        if ok_tol and isinstance(tol, (int, float)) and isinstance(inner, ast.Call) and isinstance(inner.func, ast.Name) \
-                and inner.func.id == "abs" and len(inner.args) == 1 and isinstance(inner.args[0], ast.BinOp) \
-                and isinstance(inner.args[0].op, ast.Sub):
-            a, b = inner.args[0].left, inner.args[0].right
-            for expr, other in ((a, b), (b, a)):
-                ok, val = _literal(other)
-                if ok and isinstance(val, (int, float)) and _calls(expr, names):
-                    return _value_test(expr, val, names, float(tol))
-    # math.isclose(f(x), v[, rel_tol=, abs_tol=])
-    if isinstance(test, ast.Call) and ast.unparse(test.func) in ("math.isclose", "isclose") and len(test.args) == 2:
-        kw = {k.arg: _literal(k.value)[1] for k in test.keywords}
-        for expr, other in ((test.args[0], test.args[1]), (test.args[1], test.args[0])):
-            ok, val = _literal(other)
-            if ok and isinstance(val, (int, float)) and _calls(expr, names):
-                tol = max(float(kw.get("abs_tol") or 0.0), float(kw.get("rel_tol") or 1e-9) * abs(val))
-                return _value_test(expr, val, names, tol)
-    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-        return {"type": "expr", "expr": f"not ({ast.unparse(test.operand)})", "expected": True}
-    return {"type": "expr", "expr": f"bool({ast.unparse(test)})", "expected": True}
+    args = _direct_call(cond)
+    if args is not None:
+        return _call_test(args, "truthy")
+    if isinstance(cond, ast.UnaryOp) and isinstance(cond.op, ast.Not):
+        args = _direct_call(cond.operand)
+        if args is not None:
+            return _call_test(args, "falsy")
+    return None
 
 
-def asserts_to_tests(
-    source: str, entry_point: str, candidate_name: str | None = None, stats: ImportStats | None = None
-) -> list[dict[str, Any]]:
-    """Tests from assert statements in ``source`` (module level, or the body of a
-    ``check(candidate)`` function, HumanEval-style). ``candidate_name`` is renamed to the entry
-    point; the ``candidate`` parameter of ``check`` is detected automatically."""
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        if stats is not None:
-            stats.add("tests_skipped")
-        return []
-    body: list[ast.stmt] = list(tree.body)
-    for node in tree.body:
-        if isinstance(node, ast.FunctionDef) and node.name == "check":
-            body.extend(node.body)
-            if node.args.args and candidate_name is None:
-                candidate_name = node.args.args[0].arg
-    names = {entry_point}
-    local = _bound_names(tree) - {entry_point, "check"}
-    tests = []
-    for stmt in body:
-        if isinstance(stmt, (ast.FunctionDef, ast.Import, ast.ImportFrom, ast.Assign, ast.AnnAssign)) or (
-            isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant)
-        ):
-            continue  # helper definitions, imports, constants, docstrings
-        if not isinstance(stmt, ast.Assert):
-            if stats is not None:
-                stats.add("tests_skipped")  # loops and other statements are not converted
-            continue
-        cond = stmt.test
-        if candidate_name and candidate_name != entry_point:
-            cond = _Rename(candidate_name, entry_point).visit(cond)
-            ast.fix_missing_locations(cond)
-        used = {n.id for n in ast.walk(cond) if isinstance(n, ast.Name)}
-        t = None if used & local else _assert_test(cond, names)
-        if t is None:
-            if stats is not None:
-                stats.add("tests_skipped")
-            continue
-        if stats is not None:
-            stats.add("tests_from_asserts")
-        tests.append(t)
-    return tests
+class _Rename(ast.NodeTransformer):
+    def __init__(self, names: set[str], new: str) -> None:
+        self.names, self.new = names, new
+
+    def visit_Name(self, node: ast.Name) -> ast.AST:
+        if node.id in self.names:
+            return ast.copy_location(ast.Name(id=self.new, ctx=node.ctx), node)
+        return node
+
+
+def _uses_candidate(node: ast.AST) -> bool:
+    return any(isinstance(n, ast.Name) and n.id == CANDIDATE for n in ast.walk(node))
 
 
 def _bound_names(tree: ast.AST) -> set[str]:
-    """Names the test source binds itself (assignments, loop variables, helper functions):
-    an assert using one of them cannot be evaluated in the solution's namespace."""
+    """Names the test source binds itself (assignments, loop variables, helper functions)."""
     out: set[str] = set()
     for n in ast.walk(tree):
         if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
@@ -475,27 +518,136 @@ def _bound_names(tree: ast.AST) -> set[str]:
             out.add(n.name)
         elif isinstance(n, ast.arg):
             out.add(n.arg)
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            out.update((a.asname or a.name).split(".")[0] for a in n.names)
     return out
 
 
-def from_humaneval(rec: Mapping[str, Any], stats: ImportStats | None = None) -> dict[str, Any]:
-    """A HumanEval(+)-style record: the prompt is the signature + docstring to complete."""
+_STEP_TEMPLATE = ast.parse(
+    "try:\n    pass\nexcept BaseException as __vpo_exc:\n    yield __vpo_exc\nelse:\n    yield None\n"
+).body[0]
+
+
+def check_program(helpers: str, module_stmts: Sequence[ast.stmt], steps: Sequence[Sequence[ast.stmt]]) -> str:
+    """The judge program: ``helpers`` (the prompt's or setup code), the test module's own
+    statements, and ``__vpo_steps__(candidate)``, a generator running the test statements in
+    their order, one ``try`` block per step, yielding None or the exception that ended it."""
+    body: list[ast.stmt] = []
+    for stmts in steps:
+        block = copy.deepcopy(_STEP_TEMPLATE)
+        block.body = list(stmts) or [ast.Pass()]
+        body.append(block)
+    if not body:
+        body = [ast.Return(value=None), ast.Expr(ast.Yield(value=None))]
+    fn = ast.parse(f"def __vpo_steps__({CANDIDATE}):\n    pass\n").body[0]
+    fn.body = body
+    module = ast.Module(body=[*module_stmts, fn], type_ignores=[])
+    ast.fix_missing_locations(module)
+    return (helpers.rstrip() + "\n\n\n" if helpers.strip() else "") + ast.unparse(module) + "\n"
+
+
+def assert_tests(
+    source: str, entry_point: str, *, helpers: str = "", translate: bool = True, stats: ImportStats | None = None
+) -> tuple[list[dict[str, Any]], str]:
+    """Tests from assert-based test code: a HumanEval-style ``check(candidate)`` function or
+    MBPP-style module-level asserts. One test per statement that calls the solution (the
+    statements before it that do not, such as imports or assignments, run with it), in source
+    order. With ``translate``, asserts of the shapes :func:`_translate` knows become parent-judged
+    call tests with Python's exact semantics; every other statement (loops, helper-based or
+    non-constant asserts) becomes a ``check`` step of the returned judge program, the dataset's
+    own code, run in a judge sandbox that reaches the solution through the parent only.
+    Returns (tests, judge program or "")."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        if stats is not None:
+            stats.add("tests_skipped")
+        return [], ""
+    check = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "check"), None)
+    names = {entry_point}
+    if check is not None:
+        body = list(check.body)
+        module_stmts = [n for n in tree.body if n is not check]
+        if check.args.args:
+            names.add(check.args.args[0].arg)
+    else:
+        body, module_stmts = list(tree.body), []
+    renamer = _Rename(names - {CANDIDATE}, CANDIDATE)
+    body = [ast.fix_missing_locations(renamer.visit(copy.deepcopy(s))) for s in body]
+    bound = _bound_names(tree) | _bound_names(ast.parse(helpers) if helpers.strip() else ast.Module([], []))
+    groups: list[tuple[list[ast.stmt], ast.stmt]] = []  # (statements before it, statement calling the solution)
+    pending: list[ast.stmt] = []
+    for stmt in body:
+        if _uses_candidate(stmt):
+            groups.append((pending, stmt))
+            pending = []
+        else:
+            pending.append(stmt)  # statements after the last call cannot affect a verdict: not run
+    tests: list[dict[str, Any]] = []
+    steps: list[list[ast.stmt]] = []
+    carry: list[ast.stmt] = []
+    for prefix, stmt in groups:
+        t = _translate(stmt.test, bound) if translate and isinstance(stmt, ast.Assert) else None
+        if t is not None:
+            carry.extend(prefix)  # still run, before the next judge step
+            tests.append(t)
+            if stats is not None:
+                stats.add("tests_from_asserts")
+            continue
+        text = ast.unparse(stmt)
+        tests.append({"type": "check", "step": len(steps), "text": text if len(text) <= 300 else text[:297] + "..."})
+        steps.append(carry + prefix + [stmt])
+        carry = []
+        if stats is not None:
+            stats.add("tests_as_check_steps")
+    return tests, (check_program(helpers, module_stmts, steps) if steps else "")
+
+
+def prompt_helpers(prompt: str, entry_point: str) -> str:
+    """The prompt's code without the function to implement: its imports and helper functions
+    (HumanEval/10's ``is_palindrome``, HumanEval/38's ``encode_cyclic``), which the dataset's
+    harness runs before the solution."""
+    for src in (prompt, prompt.rstrip() + "\n    pass\n"):
+        try:
+            tree = ast.parse(src)
+            break
+        except SyntaxError:
+            continue
+    else:
+        return ""
+    lines = src.splitlines(keepends=True)
+    drop: set[int] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == entry_point:
+            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            drop.update(range(first - 1, node.end_lineno or node.lineno))
+    kept = "".join(line for i, line in enumerate(lines) if i not in drop)
+    return kept if kept.strip() else ""
+
+
+def from_humaneval(rec: Mapping[str, Any], stats: ImportStats | None = None, translate: bool = True) -> dict[str, Any]:
+    """A HumanEval(+)-style record: the prompt is the signature + docstring to complete; its
+    other code (imports, helpers) runs before the solution; ``check(candidate)``'s statements
+    are the tests (see :func:`assert_tests`)."""
     entry = str(rec["entry_point"])
-    tests = asserts_to_tests(str(rec.get("test", "")), entry, stats=stats)
     starter = str(rec.get("prompt", ""))
+    helpers = prompt_helpers(starter, entry)
+    tests, check_code = assert_tests(str(rec.get("test", "")), entry, helpers=helpers, translate=translate, stats=stats)
     prompt = f"Complete the following Python function `{entry}`:\n\n```python\n{starter.rstrip()}\n```"
     sols = []
     if rec.get("canonical_solution"):
         sols.append({"strategy": "canonical", "code": starter + str(rec["canonical_solution"])})
     return normalize_problem(
         id=rec.get("task_id"), prompt=prompt, tests=tests, entry_point=entry, starter_code=starter,
-        solutions=sols, split=rec.get("split"), source_format="humaneval", stats=stats,
+        setup_code=helpers, solutions=sols, split=rec.get("split"), source_format="humaneval", stats=stats,
+        check_code=check_code, judge=judge_settings(rec.get("judge"), "humaneval"),
     )
 
 
-def from_mbpp(rec: Mapping[str, Any], stats: ImportStats | None = None) -> dict[str, Any]:
-    """An MBPP-style record (original or sanitized): tests are assert strings; the first one
-    is shown in the prompt (it fixes the function name and signature)."""
+def from_mbpp(rec: Mapping[str, Any], stats: ImportStats | None = None, translate: bool = True) -> dict[str, Any]:
+    """An MBPP-style record (original or sanitized): tests are assert strings, run after the
+    test imports and setup code (which also run before the solution, as in MBPP's harness);
+    the first assert is shown in the prompt (it fixes the function name and signature)."""
     asserts = list(rec.get("test_list") or []) + list(rec.get("challenge_test_list") or [])
     entry = None
     for a in asserts:
@@ -515,16 +667,18 @@ def from_mbpp(rec: Mapping[str, Any], stats: ImportStats | None = None) -> dict[
             if isinstance(n, ast.FunctionDef):
                 entry = n.name
                 break
-    tests = asserts_to_tests("\n".join(asserts), entry or "solution", stats=stats) if entry else []
+    imports = "\n".join(rec.get("test_imports") or [])
+    setup = "\n".join(s for s in (imports, str(rec.get("test_setup_code") or "")) if s.strip())
+    tests, check_code = (assert_tests("\n".join(asserts), entry, helpers=setup, translate=translate, stats=stats)
+                         if entry else ([], ""))
     text = str(rec.get("text") or rec.get("prompt") or "").strip()
     shown = asserts[0] if asserts else ""
     prompt = f"{text}\nYour code should pass this test:\n{shown}" if shown else text
-    imports = "\n".join(rec.get("test_imports") or [])
-    setup = "\n".join(s for s in (imports, str(rec.get("test_setup_code") or "")) if s.strip())
     return normalize_problem(
         id=rec.get("task_id"), prompt=prompt, tests=tests, entry_point=entry, setup_code=setup,
         solutions=[{"strategy": "reference", "code": rec["code"]}] if rec.get("code") else (),
-        split=rec.get("split"), source_format="mbpp", stats=stats,
+        split=rec.get("split"), source_format="mbpp", stats=stats, check_code=check_code,
+        judge=judge_settings(rec.get("judge"), "mbpp"),
     )
 
 
