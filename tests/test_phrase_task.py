@@ -44,9 +44,9 @@ def test_reward_dimensions_by_hand() -> None:
     assert v("DRUM, Owl!  ", ROW).tolist() == [1 / 3, 1.0, 1.0, 1.0, 1.0]  # case and punctuation
     assert v("drums!", ROW).tolist() == [0.0, 1.0, 1.0, 1.0, 0.0]  # whole words only
     assert v("!!!", ROW).tolist() == [0.0] * 5 and v("", ROW).tolist() == [0.0] * 5
-    wider = {**ROW, "max_words": 5}
-    assert PhraseTask(length_slack=4, lipogram_tolerance=1).reward.score(["river maple drum owl moon frog!"],
-                                                                         wider).tolist() == [[1, 0.75, 0, 1, 1]]
+    wider = {**ROW, "max_words": 4}  # one word over a slack of 4; one banned word at tolerance 1
+    assert PhraseTask(length_slack=4, lipogram_tolerance=1).reward.score(["river drum owl moon frog!"],
+                                                                         wider).tolist() == [[2 / 3, 0.75, 0, 1, 1]]
 
 
 def test_parse_dedup_and_scalar() -> None:
