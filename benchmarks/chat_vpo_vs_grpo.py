@@ -14,13 +14,18 @@ Steps (each uses the library directly; the pipeline runs the same functions):
 5. search: evolutionary search with parent prompts vs best-of-k at equal budget, for each arm's
    first-seed model.
 
-    OMP_NUM_THREADS=1 flock /tmp/vpo-heavy.lock python benchmarks/chat_vpo_vs_grpo.py \\
-        --rl-steps 12 --seeds 0 1 --eval-problems 16 --search-problems 6
+Costs measured on 2 cores, 1 torch thread, nothing else running (LoRA warm-up 30 x 8: 412 s; one
+step at 2 prompts x 4 generations: grpo 22 s, vpo 38 s, grpo_x3 38 s), about 40 minutes of CPU
+would be (an estimate from those costs; this size has not been run):
 
-A tiny smoke version (about 10 minutes on 2 cores):
+    OMP_NUM_THREADS=1 flock /tmp/vpo-heavy.lock python benchmarks/chat_vpo_vs_grpo.py \
+        --rl-steps 6 --seeds 0 1 --eval-problems 8 --search-problems 4 --search-budget 6
 
-    python benchmarks/chat_vpo_vs_grpo.py --warm-steps 6 --rl-steps 2 --seeds 0 --eval-problems 3 \\
-        --eval-samples 3 --search-problems 2 --search-budget 3 --out runs/bench-chat-smoke
+A tiny version (14.5 minutes with 1 thread, 11 with 2, most of it the 30-step warm-up; the
+warmed base is cached in ``--out`` and reused by later runs with the same warm-up settings):
+
+    python benchmarks/chat_vpo_vs_grpo.py --rl-steps 3 --seeds 0 --eval-problems 4 --eval-samples 3 \
+        --search-problems 2 --search-budget 3 --out runs/bench-chat-smoke
 """
 
 from __future__ import annotations
@@ -210,14 +215,14 @@ def main() -> None:
     ap.add_argument("--warm-lr", type=float, default=1e-3, help="1e-3 suits LoRA; use about 5e-5 with --no-lora")
     ap.add_argument("--no-lora", dest="lora", action="store_false")
     ap.add_argument("--warm-eval-rows", type=int, default=8)
-    ap.add_argument("--rl-steps", type=int, default=12)
+    ap.add_argument("--rl-steps", type=int, default=6)
     ap.add_argument("--rl-lr", type=float, default=2e-5)
     ap.add_argument("--prompts-per-step", type=int, default=2)
     ap.add_argument("--generations", type=int, default=4)
-    ap.add_argument("--eval-problems", type=int, default=16)
+    ap.add_argument("--eval-problems", type=int, default=8)
     ap.add_argument("--eval-samples", type=int, default=6, help="candidates per problem (ceil(n/m) rollouts)")
-    ap.add_argument("--search-problems", type=int, default=6)
-    ap.add_argument("--search-budget", type=int, default=12, help="candidates per problem and arm")
+    ap.add_argument("--search-problems", type=int, default=4)
+    ap.add_argument("--search-budget", type=int, default=6, help="candidates per problem and arm")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     out = Path(args.out)
