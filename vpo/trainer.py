@@ -45,7 +45,19 @@ from vpo.advantages import (
 from vpo.metrics import reward_diversity
 from vpo.rewards import VectorReward, score_set
 
-__all__ = ["VPOConfig", "VPOTrainer", "completion_text", "dimension_reward_funcs"]
+__all__ = ["LowParseRateWarning", "ParseRateError", "VPOConfig", "VPOTrainer", "completion_text",
+           "dimension_reward_funcs"]
+
+
+class LowParseRateWarning(UserWarning):
+    """A training step in which few rollouts parsed into the answer format (VPOConfig.min_parse_rate)."""
+
+
+class ParseRateError(RuntimeError):
+    """No rollout parsed for VPOConfig.max_unparsed_steps steps in a row: training cannot learn."""
+
+
+warnings.simplefilter("always", LowParseRateWarning)  # one per step, never folded into the first
 
 
 @dataclass
@@ -66,6 +78,17 @@ class VPOConfig(GRPOConfig):
         metadata={"help": "A completion cut at max_completion_length (no EOS) scores as unparseable (all zero). "
                   "Without it token-mean losses reward never stopping: answers are parsed from the text, so "
                   "trailing junk is free and long rollouts carry more tokens."},
+    )
+    min_parse_rate: float = field(
+        default=0.2,
+        metadata={"help": "Warn (LowParseRateWarning) when the fraction of a step's rollouts with at least one "
+                  "parsed answer is below this; 0 disables the warning."},
+    )
+    max_unparsed_steps: int = field(
+        default=5,
+        metadata={"help": "Raise ParseRateError after this many consecutive generation batches (one per training "
+                  "step unless steps_per_generation > 1) in which no rollout parsed (all rewards zero, so loss and "
+                  "gradient are zero); 0 disables the check."},
     )
 
     def __post_init__(self) -> None:
@@ -92,6 +115,10 @@ class VPOConfig(GRPOConfig):
                 raise ValueError(f"max_at_k_k only applies to the 'max_at_k' estimator, not {self.estimator!r}")
             if self.max_at_k_k < 1:
                 raise ValueError(f"max_at_k_k must be >= 1, got {self.max_at_k_k}")
+        if not 0.0 <= self.min_parse_rate <= 1.0:
+            raise ValueError(f"min_parse_rate must be in [0, 1], got {self.min_parse_rate}")
+        if self.max_unparsed_steps < 0:
+            raise ValueError(f"max_unparsed_steps must be >= 0, got {self.max_unparsed_steps}")
 
 
 def completion_text(completion: Any) -> str:
@@ -181,6 +208,8 @@ class VPOTrainer(GRPOTrainer):
         self._vpo_sets: torch.Tensor | None = None
         self._vpo_counts: torch.Tensor | None = None
         self.last_advantages: torch.Tensor | None = None  # global (N,) vector of the latest batch
+        self.unparsed_streak = 0  # consecutive training steps in which no rollout parsed
+        self.low_parse_steps: list[tuple[int, float]] = []  # (step, parse rate) of every warned step
         super().__init__(model=model, reward_funcs=dimension_reward_funcs(reward, args.num_answers), args=args,
                          **kwargs)
         # TRL's stock path (logged as `reward`, and what `grpo` reproduces) weights the columns by w*
@@ -263,7 +292,30 @@ class VPOTrainer(GRPOTrainer):
             logs.pop()
         logs.extend(adv.tolist())
         self._log_vpo_metrics(mode, batch, gidx, group, log_gen)
+        if mode == "train":
+            self._check_parse_rate(float((self._vpo_counts > 0).to(torch.float64).mean()))
         return out
+
+    def _check_parse_rate(self, rate: float) -> None:
+        """``rate``: fraction of the batch's rollouts with at least one parsed answer (1 -
+        vpo/frac_unparsed). Warn when it is below ``min_parse_rate``; raise
+        :class:`ParseRateError` after ``max_unparsed_steps`` consecutive steps with none parsed."""
+        step = self.state.global_step + 1
+        self.unparsed_streak = self.unparsed_streak + 1 if rate == 0.0 else 0
+        limit = self.args.max_unparsed_steps
+        if limit and self.unparsed_streak >= limit:
+            raise ParseRateError(
+                f"no rollout parsed into the {self.args.num_answers}-answer format for {self.unparsed_streak} "
+                f"consecutive training steps (up to step {step}; VPOConfig.max_unparsed_steps={limit}): every "
+                "reward is zero, so loss and gradient are zero. Warm the model up on the answer format first "
+                "(vpo.sft.train_sft with init_dir=...), raise max_completion_length if answers are cut off, "
+                "or set max_unparsed_steps=0 to train anyway.")
+        if rate < self.args.min_parse_rate:
+            self.low_parse_steps.append((step, rate))
+            warnings.warn(
+                f"step {step}: only {rate:.0%} of rollouts parsed into the {self.args.num_answers}-answer format "
+                f"(VPOConfig.min_parse_rate={self.args.min_parse_rate}); unparsed rollouts score zero",
+                LowParseRateWarning, stacklevel=2)
 
     def _log_vpo_metrics(self, mode: str, batch: RewardBatch, gidx: torch.Tensor, group: int,
                          gen: torch.Generator) -> None:

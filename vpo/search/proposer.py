@@ -50,7 +50,13 @@ class ModelProposer:
     With the transformers backend the model is loaded once on first use
     (:func:`vpo.generation.load_policy`) and kept until :meth:`close`; with ``load=False`` or a
     non-transformers ``backend`` (e.g. ``"vllm"``, which loads by path) the folder path is passed.
-    Chat prompts are rendered with the tokenizer's chat template (generation prompt added).
+
+    Chat models get conversations: a plain-text prompt becomes one user turn (after
+    ``system_message`` if given) when ``chat`` is True, or, with ``chat=None`` (the default), when
+    the tokenizer has a chat template (:func:`vpo.chat.has_chat_template`). The default sampler
+    receives the conversations (it renders them and tokenizes without a second BOS, or hands them
+    to vLLM's chat entry point); a custom ``sample_fn`` receives them rendered by the chat template (generation
+    prompt added). Plain-text prompts to a model without a template pass through unchanged.
     """
 
     def __init__(
@@ -64,8 +70,12 @@ class ModelProposer:
         load: bool = True,
         tokenizer: Any = None,
         sample_kwargs: Mapping[str, Any] | None = None,
+        chat: bool | None = None,
+        system_message: str | None = None,
     ) -> None:
         self.model_dir = str(model_dir)
+        self.chat = chat
+        self.system_message = system_message
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.backend = backend
@@ -73,6 +83,7 @@ class ModelProposer:
         if backend != "transformers":
             self.sample_kwargs.setdefault("backend", backend)
         self._sample_fn = sample_fn
+        self._default_fn = sample_fn is None  # vpo.generation.sample: takes conversations as they are
         self._load = load and backend == "transformers"
         self._model: Any = None
         self._tokenizer: Any = tokenizer
@@ -97,6 +108,15 @@ class ModelProposer:
         """Drop the loaded model (frees memory between arms); it reloads on next use."""
         self._model = None
 
+    def _conversation(self, prompt: Prompt, chat: bool) -> Prompt:
+        """A plain prompt as [system?, user] messages when the model is a chat model."""
+        if not isinstance(prompt, str) or not chat:
+            return prompt
+        messages = [{"role": "user", "content": prompt}]
+        if self.system_message:
+            messages.insert(0, {"role": "system", "content": self.system_message})
+        return messages
+
     def _render(self, prompt: Prompt, tok: Any) -> str:
         if isinstance(prompt, str):
             return prompt
@@ -108,12 +128,20 @@ class ModelProposer:
         """Sample one completion per prompt from the checkpoint."""
         if not prompts:
             return []
+        from vpo.chat import has_chat_template
+
         fn, model, tok = self._resolve()
-        if any(not isinstance(p, str) for p in prompts) and tok is None and not self._load:
+        needs_tok = any(not isinstance(p, str) for p in prompts) or (self.chat is None and self._default_fn)
+        if needs_tok and tok is None and not self._load:
             from transformers import AutoTokenizer
 
             tok = self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        texts = [self._render(p, tok) for p in prompts]
+        chat = has_chat_template(tok) if self.chat is None else self.chat
+        convs = [self._conversation(p, chat) for p in prompts]
+        if self._default_fn:
+            texts: list[Prompt] = convs  # vpo.generation.sample renders conversations itself
+        else:
+            texts = [self._render(p, tok) for p in convs]
         out = fn(model, tok, texts, 1, self.max_new_tokens, self.temperature, seed, **self.sample_kwargs)
         if len(out) != len(prompts) or any(len(o) < 1 for o in out):
             raise ProposerError(f"sample returned {len(out)} groups for {len(prompts)} prompts")

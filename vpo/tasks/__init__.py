@@ -22,10 +22,15 @@ __all__ = ["Task", "available_tasks", "check_task_params", "get_task", "register
 
 
 class Task:
-    """Base task. Subclasses set ``name`` and ``reward`` and implement :meth:`load`."""
+    """Base task. Subclasses set ``name`` and ``reward`` and implement :meth:`load`.
+
+    Chat models get :meth:`chat_messages` (see :mod:`vpo.chat`); a task can set
+    ``system_prompt`` for a system turn, or override the method for full control.
+    """
 
     name: str = ""
     reward: VectorReward
+    system_prompt: str | None = None
 
     def load(self, split: str) -> list[dict[str, Any]]:
         """Return the rows of ``split`` ("train" or "test")."""
@@ -34,6 +39,13 @@ class Task:
     def format_prompt(self, row: Mapping[str, Any], m: int) -> Any:
         """The model-facing prompt for ``row`` asking for m answers (m=1: a single answer)."""
         return add_instruction(row["prompt"], m, self.reward.answer_tag)
+
+    def chat_messages(self, row: Mapping[str, Any], m: int) -> list[dict[str, Any]]:
+        """The conversation for chat models: ``system_prompt`` (if set) then a user turn holding
+        :meth:`format_prompt` (the m-answer instruction inside it)."""
+        from vpo.chat import default_messages
+
+        return default_messages(self, row, m)
 
 
 _TASKS: dict[str, Callable[..., Task]] = {}
@@ -54,7 +66,7 @@ def register_task(name: str) -> Callable[[Callable[..., Task]], Callable[..., Ta
 def _import_builtin() -> None:
     import importlib
 
-    for mod in ("vpo.tasks.route", "vpo.tasks.code"):
+    for mod in ("vpo.tasks.route", "vpo.tasks.code", "vpo.tasks.phrase"):
         try:
             importlib.import_module(mod)
         except ModuleNotFoundError as exc:  # a task module not written yet is simply not offered
