@@ -105,7 +105,7 @@ def _install(monkeypatch: pytest.MonkeyPatch, inj: Injector) -> None:
     import pandas as pd
     import transformers
 
-    import vpo.pipeline.storage
+    import vpo.atomic
 
     def renaming(kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(src: Any, dst: Any, *a: Any, **kw: Any) -> Any:
@@ -125,7 +125,7 @@ def _install(monkeypatch: pytest.MonkeyPatch, inj: Injector) -> None:
     monkeypatch.setattr(os, "replace", renaming("os.replace", os.replace))
     monkeypatch.setattr(os, "rename", renaming("os.rename", os.rename))
     monkeypatch.setattr(os, "link", renaming("os.link", os.link))
-    monkeypatch.setattr(vpo.pipeline.storage, "_exchange", renaming("exchange", vpo.pipeline.storage._exchange))
+    monkeypatch.setattr(vpo.atomic, "_exchange", renaming("exchange", vpo.atomic._exchange))
 
     def first(obj: Any, path: Any, *a: Any, **kw: Any) -> Any:
         return path

@@ -15,20 +15,22 @@ from pathlib import Path
 
 import pytest
 
-from vpo.pipeline import storage
-from vpo.pipeline.storage import (
-    RedactingFilter,
-    S3Settings,
-    StorageError,
+from vpo import atomic
+from vpo.atomic import (
     atomic_dir,
     atomic_write_bytes,
     atomic_write_json,
     atomic_write_text,
+    remove_stale_temps,
+)
+from vpo.pipeline.storage import (
+    RedactingFilter,
+    S3Settings,
+    StorageError,
     configure_dvc_remote,
     get_filesystem,
     install_redaction,
     redact,
-    remove_stale_temps,
     s3_storage_options,
     scan_for_secrets,
     subprocess_env,
@@ -234,7 +236,7 @@ def test_atomic_dir_creates_replaces_and_rolls_back(tmp_path: Path) -> None:
 
 
 def test_atomic_dir_portable_fallback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(storage, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
     target = tmp_path / "out"
     for version in (b"1", b"2"):
         with atomic_dir(target) as tmp:
@@ -251,7 +253,7 @@ def test_atomic_dir_survives_sigkill_mid_write(tmp_path: Path) -> None:
     code = textwrap.dedent(
         f"""
         import time, pathlib
-        from vpo.pipeline.storage import atomic_dir
+        from vpo.atomic import atomic_dir
         with atomic_dir({str(target)!r}) as tmp:
             (tmp / "data.txt").write_text("new-but-unfinished")
             pathlib.Path({str(marker)!r}).touch()
@@ -281,11 +283,11 @@ def test_published_files_and_folders_follow_the_umask(tmp_path: Path) -> None:
 
     old = os.umask(0o022)
     try:
-        f = storage.atomic_write_json(tmp_path / "a.json", {"x": 1})
-        with storage.atomic_dir(tmp_path / "folder") as tmp:
+        f = atomic_write_json(tmp_path / "a.json", {"x": 1})
+        with atomic_dir(tmp_path / "folder") as tmp:
             (tmp / "inner.txt").write_text("x")
         os.umask(0o027)
-        g = storage.atomic_write_text(tmp_path / "b.txt", "y")
+        g = atomic_write_text(tmp_path / "b.txt", "y")
     finally:
         os.umask(old)
     assert (f.stat().st_mode & 0o777, (tmp_path / "folder").stat().st_mode & 0o777) == (0o644, 0o755)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vpo.storage import atomic_dir, atomic_write_json
+from vpo.atomic import atomic_dir, atomic_write_json
 
 __all__ = [
     "GGUF_IMPORT_FILE",

@@ -53,7 +53,8 @@ from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
-from vpo.pipeline.storage import atomic_dir, atomic_write_bytes, get_filesystem, is_s3_url, redact, secret_values
+from vpo.atomic import atomic_dir, atomic_write_bytes
+from vpo.pipeline.storage import get_filesystem, is_s3_url, redact, secret_values
 
 __all__ = [
     "DEFAULT_METRIC",

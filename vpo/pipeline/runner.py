@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from vpo.atomic import remove_stale_temps, remove_temps_in
 from vpo.pipeline.config import PipelineConfig
 from vpo.pipeline.console import log
 from vpo.pipeline.context import StageContext
@@ -22,7 +23,6 @@ from vpo.pipeline.errors import StageError
 from vpo.pipeline.graph import Step, plan, stage
 from vpo.pipeline.layout import RunLayout, arm_runs
 from vpo.pipeline.state import Fingerprint, code_hashes, content_digest, read_state, why_stale, write_state
-from vpo.pipeline.storage import remove_stale_temps, remove_temps_in
 
 __all__ = ["fingerprint", "run_all", "run_step", "staleness"]
 

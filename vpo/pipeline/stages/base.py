@@ -12,10 +12,10 @@ import json
 import time
 from typing import Any
 
+from vpo.atomic import atomic_dir, atomic_write_json
 from vpo.pipeline.console import log
 from vpo.pipeline.context import StageContext
 from vpo.pipeline.errors import StageError
-from vpo.pipeline.storage import atomic_dir, atomic_write_json
 
 __all__ = ["check_tokenizer", "run"]
 

@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
+from vpo.atomic import atomic_dir, atomic_write_json
 from vpo.pipeline.console import log
 from vpo.pipeline.context import StageContext
 from vpo.pipeline.errors import StageError
-from vpo.pipeline.storage import atomic_dir, atomic_write_json
 
 __all__ = ["check_row", "rows_frame", "run"]
 

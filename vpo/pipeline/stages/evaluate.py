@@ -19,13 +19,13 @@ from typing import Any
 
 import numpy as np
 
+from vpo.atomic import atomic_dir, atomic_write_bytes, atomic_write_json, atomic_write_text
 from vpo.pipeline.checkpoints import check_model_dir
 from vpo.pipeline.config import PipelineConfig
 from vpo.pipeline.console import log
 from vpo.pipeline.context import StageContext
 from vpo.pipeline.inputs import load_rows, stage_command
 from vpo.pipeline.layout import RunLayout, arm_runs
-from vpo.pipeline.storage import atomic_dir, atomic_write_bytes, atomic_write_json, atomic_write_text
 
 __all__ = ["policies", "run"]
 

@@ -12,12 +12,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+from vpo.atomic import atomic_write_json
 from vpo.pipeline.checkpoints import check_model_dir
 from vpo.pipeline.console import log
 from vpo.pipeline.context import StageContext
 from vpo.pipeline.inputs import read_json, stage_command
 from vpo.pipeline.layout import arm_runs
-from vpo.pipeline.storage import atomic_write_json
 
 __all__ = ["repo_root", "run"]
 

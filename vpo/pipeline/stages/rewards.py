@@ -13,10 +13,10 @@ from typing import Any
 
 import numpy as np
 
+from vpo.atomic import atomic_dir, atomic_write_json
 from vpo.pipeline.console import log
 from vpo.pipeline.context import StageContext
 from vpo.pipeline.inputs import load_rows
-from vpo.pipeline.storage import atomic_dir, atomic_write_json
 
 __all__ = ["reference_answers", "run"]
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from vpo.atomic import atomic_write_json, atomic_write_text
 from vpo.pipeline.config import PipelineConfig
 from vpo.pipeline.console import log
 from vpo.pipeline.context import StageContext
@@ -25,7 +26,6 @@ from vpo.pipeline.errors import StageError
 from vpo.pipeline.inputs import load_rows, read_json, read_npy, stage_command
 from vpo.pipeline.layout import RunLayout, arm_runs
 from vpo.pipeline.state import read_state, why_stale, write_state
-from vpo.pipeline.storage import atomic_write_json, atomic_write_text
 
 __all__ = ["run", "search_table"]
 

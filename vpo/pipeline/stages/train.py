@@ -27,6 +27,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from vpo.atomic import atomic_dir, atomic_write_json
 from vpo.pipeline.checkpoints import check_model_dir, checkpoint_step, latest_checkpoint
 from vpo.pipeline.console import log
 from vpo.pipeline.context import StageContext
@@ -34,7 +35,6 @@ from vpo.pipeline.errors import StageError
 from vpo.pipeline.inputs import load_rows, stage_command
 from vpo.pipeline.settings import check_hardware, vpo_config_kwargs
 from vpo.pipeline.state import read_state, why_stale, write_state
-from vpo.pipeline.storage import atomic_dir, atomic_write_json
 from vpo.rewards import VectorReward
 
 __all__ = ["CHILD_ENV", "ProgressFileCallback", "run"]
