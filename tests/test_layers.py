@@ -1,0 +1,82 @@
+"""The shape we keep: the library (vpo/ outside vpo/pipeline) imports neither the pipeline layer nor
+Prefect, DVC or flows; flows/ is the only Prefect code; no module imports lead in a circle (imports
+inside functions included)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module name an ``import`` / ``from ... import`` in the file names (relative ones resolved)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    package = _module(path) if path.name == "__init__.py" else _module(path).rsplit(".", 1)[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _sources() -> dict[str, Path]:
+    files = [*(REPO / "vpo").rglob("*.py"), *(REPO / "flows").glob("*.py")]
+    return {_module(p): p for p in files if "__pycache__" not in p.parts}
+
+
+def test_library_imports_no_pipeline_prefect_dvc_or_flows() -> None:
+    bad = {}
+    for name, path in _sources().items():
+        if not name.startswith("vpo.") or name.startswith("vpo.pipeline"):
+            continue
+        hits = sorted(i for i in _imports(path) if i.split(".")[0] in ("prefect", "dvc", "dvclive", "flows")
+                      or i.startswith("vpo.pipeline"))
+        if hits:
+            bad[name] = hits
+    assert bad == {}, f"library modules reaching into the pipeline or orchestration: {bad}"
+
+
+def test_only_flows_import_prefect() -> None:
+    users = sorted(n for n, p in _sources().items() if any(i.split(".")[0] == "prefect" for i in _imports(p)))
+    assert users and all(n.startswith("flows.") for n in users), users
+
+
+def test_no_import_cycles() -> None:
+    sources = _sources()
+    graph = {name: {i for i in _imports(path) if i in sources and i != name} for name, path in sources.items()}
+    graph = {n: {d for d in deps if not (n.startswith(d + ".") and sources[d].name == "__init__.py")}
+             for n, deps in graph.items()}  # a module importing its own package's __init__ is no cycle
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                return stack[stack.index(dep):] + [dep]
+            if dep not in state:
+                cycle = visit(dep)
+                if cycle:
+                    return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for name in sorted(graph):
+        if name not in state:
+            cycle = visit(name)
+            assert cycle is None, " -> ".join(cycle)
