@@ -115,7 +115,7 @@ def _edit_yaml(config: Path, edit: str) -> None:
             "missing_model",
             [
                 "pipelines.route.model.path_or_id (line ",
-                "local model path './models/does-not-exist' does not exist",
+                "local model folder './models/does-not-exist' does not exist",
             ],
         ),
         ("bad_yaml", ["not valid YAML: line "]),

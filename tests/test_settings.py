@@ -49,7 +49,8 @@ def test_each_setting_reaches_the_vpoconfig(tmp_path: Path) -> None:
     values = {"max_steps": 7, "learning_rate": 3e-5, "beta": 0.02, "temperature": 0.9, "max_completion_length": 40,
               "num_weights": 17, "weight_alpha": 0.5, "weight_sampler": "sobol", "loss_type": "grpo",
               "gradient_accumulation_steps": 2, "logging_steps": 3, "save_steps": 5, "save_total_limit": 4,
-              "truncated_scores_zero": False, "prompts_per_step": 3, "report_to": ["dvclive", "tensorboard"]}
+              "truncated_scores_zero": False, "prompts_per_step": 3, "report_to": ["dvclive", "tensorboard"],
+              "min_parse_rate": 0.25, "max_unparsed_steps": 7}
     body = {"task": {"name": "route"}, "model": {"builder": "tiny"}, "trainer": values,
             "arms": [{"name": "v", "estimator": "gdpo", "num_answers": 2, "num_generations": 4,
                       "rollout_multiplier": 3, "seeds": [5], "max_completion_length": 60}]}

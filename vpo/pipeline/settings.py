@@ -27,7 +27,7 @@ DIRECT: dict[str, tuple[str, ...]] = {
         "max_steps", "learning_rate", "beta", "temperature", "max_completion_length", "num_weights",
         "weight_alpha", "weight_sampler", "loss_type", "use_vllm", "vllm_mode", "vllm_server_base_url",
         "gradient_accumulation_steps", "logging_steps", "save_steps", "save_total_limit", "bf16",
-        "truncated_scores_zero",
+        "truncated_scores_zero", "min_parse_rate", "max_unparsed_steps",
     ),
     "arms": ("estimator", "num_answers", "max_at_k_k", "scale_rewards", "multi_objective_aggregation"),
 }
@@ -95,6 +95,11 @@ def check_hardware(cfg: PipelineConfig, *, cuda: bool | None = None) -> None:
     if tr.use_vllm and not cuda:
         raise StageError(f"{where}: trainer.use_vllm is true but no CUDA GPU is visible; vLLM generation needs "
                          "one (set trainer.use_vllm: false on CPU machines)")
+    if cfg.evaluation.use_vllm and importlib.util.find_spec("vllm") is None:
+        raise StageError(f"{where}: evaluation.use_vllm is true but vLLM is not installed (pip install "
+                         "'vpo[vllm]', GPU machines only); set evaluation.use_vllm: false to sample with transformers")
+    if cfg.evaluation.use_vllm and not cuda:
+        raise StageError(f"{where}: evaluation.use_vllm is true but no CUDA GPU is visible (set it to false on CPU)")
     if tr.bf16 and not cuda:
         raise StageError(f"{where}: trainer.bf16 is true but no CUDA GPU is visible; CPU training runs in "
                          "float32 (set trainer.bf16: false)")

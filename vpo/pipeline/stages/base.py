@@ -9,7 +9,9 @@ optionally fine-tuned on the task's demonstrations (``sft``).
 from __future__ import annotations
 
 import json
+import shutil
 import time
+from pathlib import Path
 from typing import Any
 
 from vpo.atomic import atomic_dir, atomic_write_json
@@ -29,40 +31,72 @@ def check_tokenizer(tok: Any, where: str) -> None:
         tok.pad_token = tok.eos_token
 
 
+def _pretrained(ctx: StageContext, folder: Path) -> str:
+    """Save the configured pretrained model into ``folder`` (a GGUF file is imported once into the
+    runs folder's model cache first); returns where it came from."""
+    cfg = ctx.cfg
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if cfg.model.gguf is not None:
+        from vpo.models import import_gguf
+
+        g = cfg.model.gguf
+        path = cfg.resolve_path(g.path) if g.path else None
+        name = f"{Path(g.file or str(path)).stem}-{cfg.model.dtype}"
+        cache = import_gguf(ctx.layout.model_cache(name), path, package=g.package, file=g.file, dtype=cfg.model.dtype)
+        check_tokenizer(AutoTokenizer.from_pretrained(str(cache)), f"GGUF model {name!r}")
+        shutil.copytree(cache, folder, dirs_exist_ok=True)
+        return f"gguf:{g.package + '/' if g.package else ''}{g.file or g.path}"
+    src = cfg.model_source
+    kw = {"revision": cfg.model.revision, "trust_remote_code": cfg.model.trust_remote_code}
+    tok = AutoTokenizer.from_pretrained(src, **kw)
+    check_tokenizer(tok, f"model {cfg.model.path_or_id!r}")  # before the (large) model is loaded
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=cfg.model.dtype, **kw)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(cfg.model.path_or_id)
+
+
+def _parse_line(sft: dict[str, Any]) -> str:
+    """``m=1 0.00 -> 0.95, m=3 0.00 -> 0.80`` from the warm-up's before/after parse check."""
+    before, after = sft.get("parse_before") or {}, sft.get("parse_after") or {}
+    return ", ".join(f"m={m} {before.get(m, {}).get('parse_rate', float('nan')):.2f} -> "
+                     f"{after[m]['parse_rate']:.2f}" for m in sorted(after, key=int))
+
+
 def run(ctx: StageContext) -> dict[str, Any]:
     """Build ``base/`` (model, tokenizer, ``summary.json``)."""
+    from vpo.sft import LoraSettings, train_sft
+
     cfg, task = ctx.cfg, ctx.task
     out = ctx.layout.base
+    sft = cfg.sft
+    m = max(a.num_answers for a in cfg.enabled_arms)
+    warm_up = {"lr": sft.lr, "seed": cfg.seed, "m": m, "progress": ctx.progress,
+               "lora": LoraSettings(r=sft.lora.r, alpha=sft.lora.alpha, dropout=sft.lora.dropout,
+                                    target_modules=tuple(sft.lora.target_modules)) if sft.lora else None,
+               "eval_rows": sft.parse_check.rows, "eval_samples": sft.parse_check.samples,
+               "eval_max_new_tokens": sft.parse_check.max_new_tokens,
+               "eval_temperature": sft.parse_check.temperature}
     t0 = time.time()
     with atomic_dir(out) as tmp:  # the old base/ stays whole until the new one is complete
         if cfg.model.builder == "tiny":
-            from vpo.sft import train_sft
             from vpo.tiny import build_char_tokenizer
 
             check_tokenizer(build_char_tokenizer(task.charset), f"the tiny builder (task {cfg.task.name!r})")
-            sft = cfg.sft
-            train_sft(task, tmp, steps=sft.steps if sft.enabled else 0, batch_size=sft.batch_size, lr=sft.lr,
-                      seed=cfg.seed, model_size=dict(cfg.model.builder_params) or None, progress=ctx.progress)
+            train_sft(task, tmp, steps=sft.steps if sft.enabled else 0, batch_size=sft.batch_size,
+                      model_size=dict(cfg.model.builder_params) or None, **warm_up)
+            source = "tiny"
         else:
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-
-            src = cfg.model_source
-            kw = {"revision": cfg.model.revision, "trust_remote_code": cfg.model.trust_remote_code}
-            tok = AutoTokenizer.from_pretrained(src, **kw)
-            check_tokenizer(tok, f"model {cfg.model.path_or_id!r}")  # before the (large) model is loaded
-            model = AutoModelForCausalLM.from_pretrained(src, dtype=cfg.model.dtype, **kw)
-            model.save_pretrained(tmp)
-            tok.save_pretrained(tmp)
-            if cfg.sft.enabled and hasattr(task, "demonstration"):
-                from vpo.sft import train_sft
-
-                train_sft(task, tmp, steps=cfg.sft.steps, batch_size=cfg.sft.batch_size, lr=cfg.sft.lr,
-                          seed=cfg.seed, init_dir=tmp, progress=ctx.progress)
-        info: dict[str, Any] = {"seconds": round(time.time() - t0, 1),
-                                "source": cfg.model.builder or cfg.model.path_or_id}
+            source = _pretrained(ctx, tmp)
+            if sft.enabled and hasattr(task, "demonstration"):
+                train_sft(task, tmp, steps=sft.steps, batch_size=sft.batch_size, init_dir=tmp, **warm_up)
+        info: dict[str, Any] = {"seconds": round(time.time() - t0, 1), "source": source}
         sft_metrics = tmp / "sft_metrics.json"
         if sft_metrics.is_file():  # written by train_sft a moment ago
             info["sft"] = json.loads(sft_metrics.read_text())
         atomic_write_json(tmp / ctx.layout.base_summary.name, info)
-    log(f"base: ready in {info['seconds']} s -> {out}")
-    return info
+    parse = _parse_line(info.get("sft") or {}) if (info.get("sft") or {}).get("parse_after") else ""
+    log(f"base: ready in {info['seconds']} s -> {out}" + (f" (warm-up parse rate {parse})" if parse else ""))
+    return {k: v for k, v in info.items() if k != "sft"} | {
+        "parse_after": (info.get("sft") or {}).get("parse_after")}

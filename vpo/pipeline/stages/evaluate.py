@@ -58,13 +58,19 @@ def policies(cfg: PipelineConfig, layout: RunLayout) -> list[Policy]:
 
 
 def _prompt_fn(task: Any, policy: Policy) -> Any:
-    """A goal-conditioned policy is evaluated as the authors do, shown the deployment weighting w*."""
-    if not policy.goal_conditioned:
-        return None
-    from vpo.advantages import goal_prompt
+    """The prompts a policy is sampled with: :func:`vpo.chat.model_prompt` with its tokenizer (a
+    conversation for chat models, the task's text otherwise), and for a goal-conditioned policy, as
+    the authors evaluate it, the deployment weighting w* written in."""
+    from transformers import AutoTokenizer
 
+    from vpo.advantages import goal_prompt
+    from vpo.chat import model_prompt
+
+    tok = AutoTokenizer.from_pretrained(str(policy.model_dir))
+    if not policy.goal_conditioned:
+        return lambda row, m: model_prompt(task, row, m, tok)
     w_star, names = task.reward.w_star(), list(task.reward.names)
-    return lambda row, m: goal_prompt(task.format_prompt(row, m), w_star, names)
+    return lambda row, m: goal_prompt(model_prompt(task, row, m, tok), w_star, names)
 
 
 def _aggregate(per_run: Mapping[str, Mapping[str, Any]], groups: Mapping[str, list[str]],
@@ -211,7 +217,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
             t0 = time.time()
             res, vectors = evaluate_policy(task, str(p.model_dir), rows, m=p.m, n_samples=ev.n_samples, ks=ev.k,
                                            temperature=ev.temperature, max_new_tokens=p.max_new_tokens, seed=ev.seed,
-                                           num_weights=ev.num_weights, pool=ev.pool, prompt_fn=_prompt_fn(task, p))
+                                           num_weights=ev.num_weights, pool=ev.pool, prompt_fn=_prompt_fn(task, p),
+                                           backend="vllm" if ev.use_vllm else "transformers")
             res["seconds"] = round(time.time() - t0, 1)
             _save_npy(tmp / "vectors" / layout.eval_vectors(p.rid).name, vectors)
             per_run[p.rid] = res

@@ -90,7 +90,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
     for r in arm_runs(cfg):
         if r.seed == r.arm.seeds[0]:
             proposers[r.arm.name] = ModelProposer(str(layout.arm_model(r.rid)),
-                                                  max_new_tokens=r.arm.completion_length(cfg.trainer))
+                                                  max_new_tokens=r.arm.completion_length(cfg.trainer),
+                                                  system_message=getattr(task, "system_prompt", None),
+                                                  backend="vllm" if cfg.evaluation.use_vllm else "transformers")
     m_of = {arm.name: arm.num_answers for arm in cfg.enabled_arms}
     _fresh_checkpoints(ctx, layout.search_checkpoints)
     result = run_arms(task, selected, proposers, out, iterations=sc.iterations, m=m_of, budget=sc.budget,

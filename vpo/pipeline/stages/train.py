@@ -33,7 +33,7 @@ from vpo.pipeline.console import log
 from vpo.pipeline.context import StageContext
 from vpo.pipeline.errors import StageError
 from vpo.pipeline.inputs import load_rows, stage_command
-from vpo.pipeline.settings import check_hardware, vpo_config_kwargs
+from vpo.pipeline.settings import vpo_config_kwargs
 from vpo.pipeline.state import read_state, why_stale, write_state
 from vpo.rewards import VectorReward
 
@@ -65,19 +65,20 @@ class ProgressFileCallback(TrainerCallback):
         os.replace(tmp, self.path)
 
 
-def _dataset(ctx: StageContext, rows: Sequence[Mapping[str, Any]]) -> Any:
-    """The training rows as a HF dataset: the task's prompt for the arm's answer format (for
-    goal-conditioned GRPO with the row's goal weighting written into it and kept as a column),
-    nested fields as JSON text."""
+def _dataset(ctx: StageContext, rows: Sequence[Mapping[str, Any]], tokenizer: Any) -> Any:
+    """The training rows as a HF dataset: the model-facing prompt for the arm's answer format (a
+    conversation for chat models, :func:`vpo.chat.model_prompt`; for goal-conditioned GRPO with the
+    row's goal weighting written into it and kept as a column), nested fields as JSON text."""
     from datasets import Dataset
 
     from vpo.advantages import get_estimator, goal_condition_rows
+    from vpo.chat import model_prompt
 
     task, run = ctx.task, ctx.arm_run
     records = []
     for r in rows:
         rec = {k: (json.dumps(v) if isinstance(v, (dict, list)) and k != "prompt" else v) for k, v in r.items()}
-        rec["prompt"] = task.format_prompt(r, run.arm.num_answers)
+        rec["prompt"] = model_prompt(task, r, run.arm.num_answers, tokenizer)
         records.append(rec)
     if getattr(get_estimator(run.arm.estimator), "row_weights_column", None):  # goal-conditioned GRPO
         records = goal_condition_rows(records, list(task.reward.names), seed=run.seed,
@@ -129,12 +130,15 @@ class RowDecodingReward(VectorReward):
 
 
 def _check_prompt_lengths(ctx: StageContext, tok: Any, dataset: Any) -> None:
-    """Every prompt within ``trainer.max_prompt_length`` tokens (TRL 1.16 would not cut it)."""
+    """Every prompt (rendered as the model sees it) within ``trainer.max_prompt_length`` tokens
+    (TRL 1.16 would not cut it)."""
+    from vpo.chat import tokenize_prompts
+
     limit = ctx.cfg.trainer.max_prompt_length
     if limit is None:
         return
     for row in dataset:
-        n = len(tok(str(row["prompt"]))["input_ids"])
+        n = len(tokenize_prompts(tok, [row["prompt"]])["input_ids"][0])
         if n > limit:
             raise StageError(f"train row id {row.get('id')!r}: its prompt is {n} tokens, longer than "
                              f"trainer.max_prompt_length ({limit}); raise the limit or shorten the prompts")
@@ -235,7 +239,7 @@ def train(ctx: StageContext) -> dict[str, Any]:
 
         callbacks.append(DVCLiveCallback(live=Live(dir=str(layout.arm_live(rid)), save_dvc_exp=False, dvcyaml=None,
                                                    report=None)))
-    dataset = _dataset(ctx, load_rows(cfg, "train", layout))
+    dataset = _dataset(ctx, load_rows(cfg, "train", layout), tok)
     _check_prompt_lengths(ctx, tok, dataset)
     trainer = VPOTrainer(model=model, reward=RowDecodingReward(ctx.task.reward), args=args, train_dataset=dataset,
                          processing_class=tok, callbacks=callbacks)
@@ -274,7 +278,6 @@ def run(ctx: StageContext) -> dict[str, Any]:
     from vpo.pipeline.stages.base import check_tokenizer
 
     check_tokenizer(AutoTokenizer.from_pretrained(str(layout.base)), f"base model {layout.base}")
-    check_hardware(cfg)
     if cfg.trainer.accelerate_config and os.environ.get(CHILD_ENV) is None:
         _fresh_checkpoints(ctx, layout.arm_trainer(ctx.arm_run.rid))
         return _launch(ctx, ["stage", "train", *cfg.cli_args(), "--arm", ctx.arm_run.arm.name,
