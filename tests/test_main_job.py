@@ -60,6 +60,34 @@ def test_metrics_cover_every_arm_and_k(quick_run: tuple[Path, str]) -> None:
     assert (run / "search" / "table.md").read_text().strip() in stdout  # and then the search table
 
 
+def test_console_is_one_line_per_stage_event_and_the_log_file_has_the_rest(quick_run: tuple[Path, str]) -> None:
+    """What `vpo run --quick` prints (here to a pipe: bars print plain lines): a start and a done line
+    per stage, each bar's last state, the tables once, the log file's path -- no library chatter (raw
+    metric dicts, weight-loading bars, None-metric warnings). The log file in logs/ holds everything."""
+    run, stdout = quick_run
+    lines = stdout.splitlines()
+    labels = ["data", "rewards", "base", "train@grpo-s0", "train@vpo-s0", "train@grpo_x3-s0", "evaluate", "search",
+              "register"]
+    for label in labels:
+        assert sum(ln.startswith(f"[vpo] {label}: ") and ln.endswith("; running") for ln in lines) == 1, label
+        assert sum(ln.startswith(f"[vpo] {label}: done in ") for ln in lines) == 1, label
+    for bar in ("base: sft: 150/150", "train@vpo-s0: 4/4", "evaluate: 5/5", "search: 6/6"):
+        assert any(ln.startswith(bar) for ln in lines), bar
+    assert "parse " in next(ln for ln in lines if ln.startswith("train@vpo-s0: 4/4"))
+    for noise in ("{'loss'", "Loading weights", "Writing model shards", "attempting to log", "Warning", "Traceback"):
+        assert noise not in stdout, noise
+    table = (run / "eval" / "table.md").read_text().strip()
+    assert stdout.count(table.splitlines()[0]) == 1  # the evaluation table is printed once
+    assert len(lines) < 70, len(lines)
+    log_line = lines[-1]
+    assert log_line.startswith("[vpo] full log: "), log_line
+    logs = list((run / "logs").glob("*-run.log"))
+    assert len(logs) == 1
+    text = logs[0].read_text()
+    assert "train@vpo-s0 step 4: {" in text and '"vpo/frac_unparsed"' in text  # every training log record
+    assert "[vpo] train@vpo-s0: done in" in text and table.splitlines()[0] in text
+
+
 def test_search_spent_equal_budgets(quick_run: tuple[Path, str]) -> None:
     run, _ = quick_run
     selection = json.loads((run / "search" / "selection.json").read_text())

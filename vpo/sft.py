@@ -16,6 +16,7 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -100,6 +101,7 @@ def train_sft(
     grad_clip: float = 1.0,
     threads: int | None = None,
     progress: bool = True,
+    on_step: Callable[[int, float], None] | None = None,
 ) -> Path:
     """Train the supervised base and save model + tokenizer + ``sft_metrics.json`` in ``out_dir``.
 
@@ -107,6 +109,8 @@ def train_sft(
     (``model_size`` overrides :data:`vpo.tiny.DEFAULT_SIZE`). A fraction ``p_multi`` of the
     batches uses the m-answer format, the rest the single-answer one. ``steps=0`` just saves the
     starting model (an untrained base). ``out_dir`` may equal ``init_dir``. Returns ``out_dir``.
+    ``progress`` draws a tqdm bar; ``on_step(step, loss)`` is called after every step (for callers
+    that draw their own progress).
     """
     if steps > 0 and not hasattr(task, "demonstration"):
         raise TypeError(f"task {getattr(task, 'name', task)!r} cannot write demonstrations for SFT")
@@ -132,6 +136,7 @@ def train_sft(
             weight_decay,
             grad_clip,
             progress,
+            on_step,
         )
     finally:
         torch.set_num_threads(prev_threads)
@@ -152,6 +157,7 @@ def _train(
     weight_decay: float,
     grad_clip: float,
     progress: bool,
+    on_step: Callable[[int, float], None] | None = None,
 ) -> Path:
     """The training loop behind :func:`train_sft` (threads already set)."""
     torch.manual_seed(seed)
@@ -199,6 +205,8 @@ def _train(
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.3f}", m=mm)
+        if on_step is not None:
+            on_step(step + 1, losses[-1])
     if bar is not None:
         bar.close()
     elapsed = time.perf_counter() - start

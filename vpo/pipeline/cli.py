@@ -125,6 +125,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _print_tables(cfg: Any, ran_search: bool) -> None:
+    """The run's result tables, once, after the last stage (the stages write them to the log only)."""
     from vpo.pipeline.layout import RunLayout
 
     layout = RunLayout.of(cfg)
@@ -133,6 +134,43 @@ def _print_tables(cfg: Any, ran_search: bool) -> None:
         print(layout.search_table.read_text())
         print(f"search plot: {layout.search_plot}")
     print(f"plot: {layout.eval_plot}")
+
+
+def _log_path(args: argparse.Namespace, cfg: Any) -> Any:
+    """The command's full log file in the run folder (none in processes `accelerate launch` started:
+    their output reaches the parent's console and log)."""
+    import time
+
+    from vpo.pipeline.layout import RunLayout
+    from vpo.pipeline.stages.train import CHILD_ENV
+
+    if os.environ.get(CHILD_ENV):
+        return None
+    command = "run" if args.cmd == "run" else "-".join(
+        ["stage", args.name, *([args.arm] if args.arm else []), *([f"s{args.seed}"] if args.seed is not None else [])])
+    return RunLayout.of(cfg).log_file(command, time.strftime("%Y%m%d-%H%M%S"))
+
+
+def _resume_hint(argv: Sequence[str] | None) -> str:
+    import shlex
+
+    words = list(sys.argv[1:] if argv is None else argv)
+    return (f"run `vpo {shlex.join(words)}` again to resume (finished stages are kept, training resumes "
+            "from its last checkpoint)")
+
+
+def _closing_line() -> None:
+    from vpo.pipeline import console
+
+    path = console.log_file()
+    if path is None:
+        return
+    try:
+        shown = os.path.relpath(path)
+    except ValueError:
+        shown = str(path)
+    n = console.warning_count()
+    console.log(f"full log: {shown}" + (f" ({n} library warning{'s' if n != 1 else ''} in it)" if n else ""))
 
 
 def _stage(args: argparse.Namespace, cfg: Any) -> int:
@@ -191,6 +229,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return dvc_main(["--config", args.config, *(["--check"] if args.check else [])])
     cfg = _load(args)
+    if args.cmd in ("run", "stage"):
+        from vpo.pipeline import console
+        from vpo.pipeline.errors import EXIT_INTERRUPTED
+
+        with console.session(_log_path(args, cfg), defer_tables=args.cmd == "run"):
+            try:
+                code = _job(args, cfg)
+            except KeyboardInterrupt:
+                console.interrupted(_resume_hint(argv))
+                return EXIT_INTERRUPTED
+            if code == 0:
+                _closing_line()
+            return code
+    return _prefect(args, cfg)
+
+
+def _job(args: argparse.Namespace, cfg: Any) -> int:
+    """``vpo run`` / ``vpo stage``: exit 0 done, 2 bad input, 3 locked (one ``error:`` line each)."""
     from vpo.pipeline.errors import EXIT_BAD_INPUT, EXIT_LOCKED, StageError
     from vpo.pipeline.locking import LockBusyError
     from vpo.pipeline.registry import RegistryError
@@ -220,6 +276,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return EXIT_BAD_INPUT
         raise
+    return 0
+
+
+def _prefect(args: argparse.Namespace, cfg: Any) -> int:
+    """``vpo flow | ui | serve``."""
     from flows import retrain as flows
 
     overrides = parse_overrides(args.set)

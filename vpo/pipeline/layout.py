@@ -13,7 +13,8 @@ folder is ``<storage.runs_dir>/<variant>/``::
                  best_at_k.png, vectors/<run id>.npy
     search/      table.md, curves.json, ... , checkpoints/ (resume)    stage search
     registry.json                                                        stage register
-    logs/                                                                log files (.lock, .locks/: vpo.pipeline.locking)
+    logs/        <time>-<command>.log: the full log of each `vpo run` / `vpo stage`
+    .lock, .locks/                                                       vpo.pipeline.locking
 
 Every stage output folder also holds ``stage.json``: the record of the settings, code and inputs
 that produced it (:mod:`vpo.pipeline.state`). Paths are absolute for a loaded config
@@ -177,6 +178,11 @@ class RunLayout:
     @property
     def logs(self) -> Path:
         return self.root / "logs"
+
+    def log_file(self, command: str, stamp: str) -> Path:
+        """The full log of one ``vpo`` command (``<stamp>-run.log``, ``<stamp>-stage-train@vpo-s0.log``):
+        everything the console shows plus library logging, warnings and every training log record."""
+        return self.logs / f"{stamp}-{command}.log"
 
     def outputs(self, stage: str, rid: str | None = None) -> list[Path]:
         """The paths a stage produces (its DVC outs); ``rid`` for the per-run train stage."""

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
-from vpo.pipeline.console import log
+from vpo.pipeline.console import progress
 from vpo.pipeline.context import StageContext
 from vpo.pipeline.errors import StageError
 from vpo.pipeline.storage import atomic_dir, atomic_write_json
@@ -41,8 +43,10 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
             check_tokenizer(build_char_tokenizer(task.charset), f"the tiny builder (task {cfg.task.name!r})")
             sft = cfg.sft
-            train_sft(task, tmp, steps=sft.steps if sft.enabled else 0, batch_size=sft.batch_size, lr=sft.lr,
-                      seed=cfg.seed, model_size=dict(cfg.model.builder_params) or None, progress=ctx.progress)
+            steps = sft.steps if sft.enabled else 0
+            with _sft_bar(ctx, steps) as on_step:
+                train_sft(task, tmp, steps=steps, batch_size=sft.batch_size, lr=sft.lr, seed=cfg.seed,
+                          model_size=dict(cfg.model.builder_params) or None, progress=False, on_step=on_step)
         else:
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -56,13 +60,30 @@ def run(ctx: StageContext) -> dict[str, Any]:
             if cfg.sft.enabled and hasattr(task, "demonstration"):
                 from vpo.sft import train_sft
 
-                train_sft(task, tmp, steps=cfg.sft.steps, batch_size=cfg.sft.batch_size, lr=cfg.sft.lr,
-                          seed=cfg.seed, init_dir=tmp, progress=ctx.progress)
+                with _sft_bar(ctx, cfg.sft.steps) as on_step:
+                    train_sft(task, tmp, steps=cfg.sft.steps, batch_size=cfg.sft.batch_size, lr=cfg.sft.lr,
+                              seed=cfg.seed, init_dir=tmp, progress=False, on_step=on_step)
         info: dict[str, Any] = {"seconds": round(time.time() - t0, 1),
                                 "source": cfg.model.builder or cfg.model.path_or_id}
         sft_metrics = tmp / "sft_metrics.json"
         if sft_metrics.is_file():  # written by train_sft a moment ago
             info["sft"] = json.loads(sft_metrics.read_text())
         atomic_write_json(tmp / ctx.layout.base_summary.name, info)
-    log(f"base: ready in {info['seconds']} s -> {out}")
+    sft_info = info.get("sft") or {}
+    ctx.outcome(f"SFT {sft_info['steps']} steps, final loss {sft_info['final_loss']:.3f}"
+                if sft_info.get("steps") else f"{info['source']}, no SFT")
     return info
+
+
+@contextmanager
+def _sft_bar(ctx: StageContext, steps: int) -> Iterator[Callable[[int, float], None] | None]:
+    """The SFT progress bar (loss beside the count), or no callback when bars are off."""
+    if not ctx.progress or steps <= 0:
+        yield None
+        return
+    with progress("base: sft", steps) as bar:
+        def on_step(step: int, loss: float) -> None:
+            bar.numbers({"loss": loss})
+            bar.update(to=step)
+
+        yield on_step

@@ -20,7 +20,8 @@ import numpy as np
 
 from vpo.pipeline.checkpoints import check_model_dir
 from vpo.pipeline.config import PipelineConfig
-from vpo.pipeline.console import log
+from vpo.pipeline.console import progress
+from vpo.pipeline.console import table as table_out
 from vpo.pipeline.context import StageContext
 from vpo.pipeline.inputs import load_rows, stage_command
 from vpo.pipeline.layout import RunLayout, arm_runs
@@ -154,8 +155,6 @@ def _save_npy(path: Path, array: np.ndarray) -> None:
 
 def run(ctx: StageContext) -> dict[str, Any]:
     """Sample, score and aggregate every policy; write ``eval/``."""
-    from tqdm.auto import tqdm
-
     from vpo.evaluate import evaluate_policy
 
     cfg, layout, task = ctx.cfg, ctx.layout, ctx.task
@@ -172,7 +171,10 @@ def run(ctx: StageContext) -> dict[str, Any]:
         check_model_dir(model_dir, f"policy {rid}", fix)
     with atomic_dir(layout.eval) as tmp:  # the old eval/ stays whole until every file of the new one is written
         (tmp / "vectors").mkdir()
-        for rid, arm, m, model_dir, limit in tqdm(todo, desc="evaluate", unit="policy", disable=not ctx.progress):
+        bar = progress("evaluate", len(todo), unit="policies") if ctx.progress else None
+        for rid, arm, m, model_dir, limit in todo:
+            if bar is not None:
+                bar.numbers(note=rid)
             t0 = time.time()
             res, vectors = evaluate_policy(task, str(model_dir), rows, m=m, n_samples=ev.n_samples, ks=ev.k,
                                            temperature=ev.temperature, max_new_tokens=limit, seed=ev.seed,
@@ -181,6 +183,11 @@ def run(ctx: StageContext) -> dict[str, Any]:
             _save_npy(tmp / "vectors" / layout.eval_vectors(rid).name, vectors)
             per_run[rid] = res
             groups.setdefault(arm, []).append(rid)
+            if bar is not None:
+                bar.update()
+        if bar is not None:
+            bar.numbers(note="")
+            bar.close()
         # a run "collapsed to one strategy" when its reward-space diversity fell below a tenth of the
         # base model's (absolute 0.1 without a base evaluation)
         base_div = [r["reward_diversity"] for rid, r in per_run.items() if rid.startswith("base")]
@@ -201,5 +208,6 @@ def run(ctx: StageContext) -> dict[str, Any]:
         atomic_write_text(tmp / layout.eval_table.name, table)
         _plot(agg, ks, tmp / layout.eval_plot.name, f"{cfg.variant}: held-out {ev.split}, {len(rows)} problems",
               oracle)
-    log("evaluate: table\n" + table)
+    table_out(table)
+    ctx.outcome(f"{len(todo)} policies on {len(rows)} problems -> {layout.eval_table.name}, {layout.eval_plot.name}")
     return {"n_problems": len(rows), "arms": {a: {"runs": e["runs"]} for a, e in agg.items()}}

@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 
 from vpo.pipeline.config import PipelineConfig
-from vpo.pipeline.console import log
+from vpo.pipeline.console import log, progress
+from vpo.pipeline.console import table as table_out
 from vpo.pipeline.context import StageContext
 from vpo.pipeline.errors import StageError
 from vpo.pipeline.inputs import load_rows, read_json, read_npy, stage_command
@@ -93,16 +94,28 @@ def run(ctx: StageContext) -> dict[str, Any]:
                                                   max_new_tokens=r.arm.completion_length(cfg.trainer))
     m_of = {arm.name: arm.num_answers for arm in cfg.enabled_arms}
     _fresh_checkpoints(ctx, layout.search_checkpoints)
+    bar = progress("search", len(proposers) * (2 if sc.baseline else 1), unit="runs") if ctx.progress else None
+
+    def arm_done(arm: str, results: Sequence[Any]) -> None:
+        if bar is not None:
+            bar.numbers(note=f"{arm}: solved {sum(bool(r.solved) for r in results)}/{len(results)}")
+            bar.update()
+
     result = run_arms(task, selected, proposers, out, iterations=sc.iterations, m=m_of, budget=sc.budget,
                       seed=cfg.seed, baseline=sc.baseline, prompt_mode=sc.prompt_mode,
                       checkpoint_every=sc.checkpoint_every, stop_when_solved=sc.stop_when_solved,
-                      db_options=sc.database.model_dump(),
+                      db_options=sc.database.model_dump(), on_arm_done=arm_done,
                       title=f"{cfg.variant}: search on {len(selected)} held-out problems ({len(hard)} hardest first)")
+    if bar is not None:
+        bar.numbers(note="")
+        bar.close()
     info = {"problems": [str(r["id"]) for r in selected], "hardest_subset": hard, "k_max": k_max}
     atomic_write_json(out / "selection.json", info)
     table = search_table(result["curves"], result["comparison"], hard, k_max)
     atomic_write_text(layout.search_table, table)
-    log("search: table\n" + table)
+    table_out(table)
+    ctx.outcome(f"{len(selected)} problems x {len(proposers)} arms -> {layout.search_table.name}, "
+                f"{layout.search_plot.name}")
     return {**info, "solved": {arm: c["final_solved"] for arm, c in result["curves"].items()}}
 
 
