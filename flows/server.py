@@ -120,13 +120,17 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM/SIGHUP turned into an exception, so ``finally`` blocks (stopping the server and the
     stage's process group) run as they do on Ctrl-C."""
 
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
 
 @contextmanager
 def stop_on_signals() -> Iterator[None]:
     """Within the block SIGTERM and SIGHUP raise :class:`Terminated` in the main thread (Ctrl-C already
     raises KeyboardInterrupt), so every server and subprocess this process started is stopped."""
     def handler(signum: int, frame: Any) -> None:
-        raise Terminated(f"stopped by {signal.Signals(signum).name}")
+        raise Terminated(signum)
 
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:

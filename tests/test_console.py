@@ -119,6 +119,7 @@ def test_ctrl_c_is_one_line_saying_how_to_resume(tmp_path: Path) -> None:
     assert proc.returncode == 130, out[-2000:] + err[-2000:]
     assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err, err[-3000:]
     line = [ln for ln in out.splitlines() if "interrupted" in ln]
-    assert line == ["[vpo] interrupted during base; run `vpo run --quick --config pipelines.yaml` again to resume "
-                    "(finished stages are kept, training resumes from its last checkpoint)"], out[-2000:]
+    expected = ("[vpo] interrupted during base; run `vpo run --quick --config pipelines.yaml` again to resume "
+                "(finished stages are kept, training resumes from its last checkpoint)")
+    assert line == [expected], out[-2000:]
     assert list((tmp_path / "runs" / "route-quick" / "logs").glob("*-run.log"))

@@ -4,7 +4,7 @@
     vpo stage NAME [--pipeline P] [--quick] [--arm A --seed S] [--force]
     vpo stage NAME --variant V [--params params.yaml]   the settings of a generated params.yaml (dvc.yaml)
     vpo flow | ui | serve [--pipeline P] [--quick] [--set K=V]   the Prefect retrain flow
-    vpo dvc [--check]                               regenerate (or check) dvc.yaml and params.yaml
+    vpo dvc [--check] [--add V] [--remove V]        regenerate (or check) dvc.yaml and params.yaml
     vpo registry list|show|...                      the checkpoint registry
     vpo pipelines                                   the pipelines in pipelines.yaml
 
@@ -117,6 +117,10 @@ def _parser() -> argparse.ArgumentParser:
     p_dvc = sub.add_parser("dvc", help="regenerate dvc.yaml and params.yaml from pipelines.yaml")
     p_dvc.add_argument("--config", default="pipelines.yaml")
     p_dvc.add_argument("--check", action="store_true", help="exit 1 when a generated file is stale")
+    p_dvc.add_argument("--add", action="append", default=[], metavar="VARIANT",
+                       help="declare this variant in dvc.yaml too (route: the full main job)")
+    p_dvc.add_argument("--remove", action="append", default=[], metavar="VARIANT",
+                       help="stop declaring this variant in dvc.yaml")
     p_reg = sub.add_parser("registry", help="the checkpoint registry (list, show, best, fetch, promote, verify)",
                            add_help=False)
     p_reg.add_argument("rest", nargs=argparse.REMAINDER)
@@ -227,7 +231,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cmd == "dvc":
         from vpo.pipeline.dvcgen import main as dvc_main
 
-        return dvc_main(["--config", args.config, *(["--check"] if args.check else [])])
+        return dvc_main(["--config", args.config, *(["--check"] if args.check else []),
+                         *[a for v in args.add for a in ("--add", v)], *[a for v in args.remove for a in ("--remove", v)]])
     cfg = _load(args)
     if args.cmd in ("run", "stage"):
         from vpo.pipeline import console
@@ -289,8 +294,17 @@ def _prefect(args: argparse.Namespace, cfg: Any) -> int:
                               return_state=True)
         return 1 if state.is_failed() else 0
     if args.cmd == "ui":
-        flows.run_with_local_server(pipeline=cfg.name, quick=cfg.quick, config=args.config, port=args.port,
-                                    keep=args.keep, overrides=overrides)
+        from flows.server import Terminated
+        from vpo.pipeline.errors import EXIT_INTERRUPTED
+
+        try:
+            flows.run_with_local_server(pipeline=cfg.name, quick=cfg.quick, config=args.config, port=args.port,
+                                        keep=args.keep, overrides=overrides)
+        except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM/SIGHUP (Terminated): the server is stopped
+            why = str(exc) if isinstance(exc, Terminated) else "interrupted"
+            print(f"[vpo] {why}; the local Prefect server and the running stage were stopped; "
+                  f"{_resume_hint(None)}", file=sys.stderr)
+            return 128 + exc.signum if isinstance(exc, Terminated) else EXIT_INTERRUPTED
     elif args.cmd == "serve":
         flows.serve(pipeline=cfg.name, quick=cfg.quick, config=args.config, cron=args.cron, name=args.name,
                     overrides=overrides)
