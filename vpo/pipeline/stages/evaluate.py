@@ -108,25 +108,33 @@ def _plot(agg: Mapping[str, Any], ks: Sequence[int], path: Path, title: str,
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from vpo.plots import coinciding_note, k_axis, y_range
+
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     for ax, key, label in zip(axes, ("best_at_k", "expected_weighted_best_at_k", "pass_at_k"),
                               ("best@k (mean scalar w*)", "E_w[best@k], w ~ Dir(1)", "pass@k")):
+        drawn: dict[str, list[float]] = {}
         for arm, e in agg.items():
             xs = [k for k in ks if str(k) in e[key]]
             ys = np.array([e[key][str(k)]["mean"] for k in xs])
             lo = np.array([e[key][str(k)]["min"] for k in xs])
             hi = np.array([e[key][str(k)]["max"] for k in xs])
             style = "--" if arm.startswith("base") else "-"
+            drawn[arm] = list(ys)
             (line,) = ax.plot(xs, ys, style, marker="o", label=f"{arm} (n={len(e['runs'])})")
             if len(e["runs"]) > 1:
                 ax.fill_between(xs, lo, hi, alpha=0.15, color=line.get_color())
         if oracle and key == "best_at_k":
             ax.plot(list(ks), [oracle["prompt_only_best_at_k"][str(k)] for k in ks], ":", color="0.4",
                     label="oracle, prompt only")
-        ax.set_xscale("log")
-        ax.set_xticks(list(ks))
-        ax.set_xticklabels([str(k) for k in ks])
-        ax.set_xlabel("k (candidates)")
+        k_axis(ax, ks)
+        shown = [v for ys in drawn.values() for v in ys]
+        if oracle and key == "best_at_k":
+            shown += [oracle["prompt_only_best_at_k"][str(k)] for k in ks]
+        ax.set_ylim(*y_range(shown))
+        note = coinciding_note(drawn)
+        if note:  # a line under an identical one would be invisible: say so
+            ax.text(0.01, 0.01, note, transform=ax.transAxes, fontsize=7, color="0.3", va="bottom", wrap=True)
         ax.set_title(label)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
