@@ -142,3 +142,39 @@ def test_rerun_redoes_only_what_changed_and_says_why(quick_run: tuple[Path, str]
         assert json.loads((run / "arms" / arm / "metrics.json").read_text())["max_steps"] == 5
     assert "[vpo] evaluate: input train@grpo-s0, train@grpo_x3-s0, train@vpo-s0 changed; running" in out
     assert (run / "base" / "model.safetensors").stat().st_mtime_ns == base_before
+
+
+def _event_tags(folder: Path) -> set[str]:
+    """Scalar tags in the TensorBoard event files under ``folder`` (TFRecord framing, Event protos)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    tags: set[str] = set()
+    for path in folder.rglob("events.out.tfevents.*"):
+        data = path.read_bytes()
+        pos = 0
+        while pos + 12 <= len(data):
+            (length,) = struct.unpack("<Q", data[pos:pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
+            tags |= {v.tag for v in event.summary.value}
+            pos += 12 + length + 4
+    return tags
+
+
+def test_report_to_reaches_the_trainer_end_to_end(quick_run: tuple[Path, str]) -> None:
+    """`trainer.report_to: [dvclive, tensorboard]` from the command line: the arm retrains (its
+    settings changed) and both trackers get its training curves, TensorBoard's kept in the run folder."""
+    pytest.importorskip("tensorboardX")
+    run, _ = quick_run
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([str(VPO), "stage", "train", "--quick", "--config", "pipelines.yaml", "--arm", "vpo",
+                           "--seed", "0", "--set", "trainer.max_steps=5", "--set",
+                           "trainer.report_to=[dvclive, tensorboard]"],
+                          cwd=run.parents[1], env=env, capture_output=True, text=True, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "train@vpo-s0: trainer.report_to changed" in proc.stdout, proc.stdout[-2000:]
+    tags = _event_tags(run / "arms" / "vpo-s0" / "tensorboard")
+    assert {"train/loss", "train/vpo/expected_max", "train/vpo/frac_unparsed"} <= tags, sorted(tags)
+    assert (run / "arms" / "vpo-s0" / "live" / "plots" / "metrics" / "vpo" / "expected_max.tsv").is_file()
+    assert not (run / "arms" / "vpo-s0" / "trainer").exists()  # resume state gone, the curves kept

@@ -7,7 +7,7 @@ folder is ``<storage.runs_dir>/<variant>/``::
     rewards/     reference.parquet, validation.json                     stage rewards
     base/        model + tokenizer files, summary.json                  stage base
     arms/<arm>-s<seed>/                                                  stage train, one folder per run
-                 model/, metrics.json, history.json, live/, progress.json,
+                 model/, metrics.json, history.json, live/, tensorboard/, progress.json,
                  trainer/ (resume checkpoints; deleted once the run is finished)
     eval/        metrics.json, summary.json, curves.json, table.md,    stage evaluate
                  best_at_k.png, vectors/<run id>.npy
@@ -120,6 +120,10 @@ class RunLayout:
     def arm_live(self, rid: str) -> Path:
         """DVCLive's folder of the run (training curves for ``dvc plots``)."""
         return self.arm(rid) / "live"
+
+    def arm_tensorboard(self, rid: str) -> Path:
+        """TensorBoard event files of the run (``trainer.report_to: [tensorboard]``)."""
+        return self.arm(rid) / "tensorboard"
 
     def arm_trainer(self, rid: str) -> Path:
         """The HF Trainer's output folder: resume checkpoints while the run trains."""

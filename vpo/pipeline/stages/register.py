@@ -15,6 +15,7 @@ from typing import Any
 from vpo.pipeline.checkpoints import check_model_dir
 from vpo.pipeline.console import detail
 from vpo.pipeline.context import StageContext
+from vpo.pipeline.hub import push_runs
 from vpo.pipeline.inputs import read_json, stage_command
 from vpo.pipeline.layout import arm_runs
 from vpo.pipeline.storage import atomic_write_json, redact
@@ -61,6 +62,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         detail(f"register: {r.rid} -> {entries[-1].get('hash', '?')}")
     info = {"registry": url, "entries": entries}
     atomic_write_json(layout.registry_json, info)
+    push_runs(cfg, layout, arm_runs(cfg), [str(e.get("hash", "")) for e in entries])
     ctx.outcome(f"{len(entries)} checkpoints in {redact(url)}: "
                 + ", ".join(f"{r.rid} {e.get('hash', '?')[:12]}" for r, e in zip(arm_runs(cfg), entries)))
     return {"registry": url, "entries": len(entries)}

@@ -23,7 +23,8 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -287,6 +288,24 @@ def _publish_checkpoint(ctx: StageContext, checkpoint: Path) -> dict[str, Any]:
     return _publish(ctx, model.save_pretrained, tok, state.log_history, 0.0, checkpoint.name)
 
 
+@contextmanager
+def _tracker_dirs(ctx: StageContext) -> Iterator[None]:
+    """Trackers that write files write them into the run folder, not into ``trainer/`` (resume state,
+    deleted once the run is recorded): TensorBoard's callback reads its folder when it is created."""
+    if "tensorboard" not in ctx.cfg.trainer.report_to:
+        yield
+        return
+    key, old = "TENSORBOARD_LOGGING_DIR", os.environ.get("TENSORBOARD_LOGGING_DIR")
+    os.environ[key] = str(ctx.layout.arm_tensorboard(ctx.arm_run.rid))
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
+
+
 def train(ctx: StageContext) -> dict[str, Any]:
     """Train the context's arm run (resuming when possible) and publish its outputs."""
     import torch
@@ -318,8 +337,9 @@ def train(ctx: StageContext) -> dict[str, Any]:
                                                    report=None)))
     dataset = _dataset(ctx.task, load_rows(cfg, "train", layout), run.arm.num_answers)
     _check_prompt_lengths(ctx, tok, dataset)
-    trainer = VPOTrainer(model=model, reward=RowDecodingReward(ctx.task.reward), args=args, train_dataset=dataset,
-                         processing_class=tok, callbacks=callbacks)
+    with _tracker_dirs(ctx):
+        trainer = VPOTrainer(model=model, reward=RowDecodingReward(ctx.task.reward), args=args,
+                             train_dataset=dataset, processing_class=tok, callbacks=callbacks)
     trainer.remove_callback(PrinterCallback)  # ConsoleProgressCallback shows the numbers that matter
     trainer.remove_callback(ProgressCallback)
     if resume is not None:
