@@ -5,7 +5,7 @@ Hub client is replaced by a recorder."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import yaml
@@ -27,7 +27,7 @@ def _cfg(tmp_path: Path, **trainer: Any) -> Any:
 
 
 class _FakeApi:
-    calls: list[tuple[str, dict[str, Any]]] = []
+    calls: ClassVar[list[tuple[str, dict[str, Any]]]] = []
 
     def __init__(self, token: str | None = None) -> None:
         self.token = token

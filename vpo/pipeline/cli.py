@@ -294,12 +294,12 @@ def _prefect(args: argparse.Namespace, cfg: Any) -> int:
                               return_state=True)
         return 1 if state.is_failed() else 0
     if args.cmd == "ui":
-        from flows.server import Terminated
+        from flows.server import Terminated, run_with_local_server
         from vpo.pipeline.errors import EXIT_INTERRUPTED
 
         try:
-            flows.run_with_local_server(pipeline=cfg.name, quick=cfg.quick, config=args.config, port=args.port,
-                                        keep=args.keep, overrides=overrides)
+            run_with_local_server(pipeline=cfg.name, quick=cfg.quick, config=args.config, port=args.port,
+                                  keep=args.keep, overrides=overrides)
         except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM/SIGHUP (Terminated): the server is stopped
             why = str(exc) if isinstance(exc, Terminated) else "interrupted"
             print(f"[vpo] {why}; the local Prefect server and the running stage were stopped; "
