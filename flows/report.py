@@ -144,11 +144,14 @@ def publish_failure(plan: Plan, completed: list[dict[str, Any]], failed: str, er
     slug = artifact_slug(plan.variant)
     text = redact(str(error)).strip() or error.__class__.__name__
     first, *rest = text.splitlines()
+    errors = [line.strip() for line in rest if line.strip().lower().startswith(("error:", "error "))]
     labels = [s.label for s in plan.steps] + ["dvc-push", "register", "publish"]
     done = {r.get("stage") for r in completed}
     not_run = [label for label in labels if label not in done and label != failed]
     md = [f"# Retrain FAILED: `{plan.variant}` at `{failed}`", "", *_header(plan, None), "",
           f"**Error** ({error.__class__.__name__}): {first}", ""]
+    if errors:  # the stage's own one-line error, as wrapping text (a code block is cut off on the right)
+        md += [f"> {errors[-1]}", ""]
     if rest:
         md += ["```", *rest[-25:], "```", ""]
     md += ["## Completed", "", _table_md(completed) if completed else "_nothing_\n",

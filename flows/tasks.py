@@ -276,10 +276,13 @@ def _progress_updater(spec: ProgressSpec, label: str) -> Callable[[float], None]
             data = json.loads(path.read_text(encoding="utf-8"))
             step, max_steps = int(data["step"]), max(1, int(data["max_steps"]))
             numbers = {k: float(v) for k, v in (data.get("numbers") or {}).items() if isinstance(v, (int, float))}
-        except (OSError, ValueError, KeyError, TypeError):
+            logged = {int(s): {k: float(v) for k, v in n.items()} for s, n in data.get("rows") or []}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return
         if step > last[0]:
-            rows.append((step, max_steps, numbers))
+            seen = {r[0] for r in rows}  # every logged step, also those between two polls
+            rows.extend((s, max_steps, n) for s, n in sorted(logged.items()) if s not in seen and s < step)
+            rows.append((step, max_steps, logged.get(step, numbers)))
             update_progress_artifact(artifact_id=UUID(spec.artifact_id),
                                      progress=round(100.0 * min(1.0, max(0.0, step / max_steps)), 1),
                                      description=progress_markdown(label, rows))
@@ -380,7 +383,8 @@ def dvc_pull(repo: str, remote_url: str, remote_name: str, targets: list[str]) -
     (the plan passes only stages whose outputs are not in the workspace: nothing here is overwritten)."""
     configure_dvc_remote(repo, remote_url, name=remote_name)
     if not targets:
-        get_run_logger().info("dvc-pull: every output is in the workspace; nothing to restore")
+        get_run_logger().info("dvc-pull: nothing to restore (every output recorded in dvc.lock is in the "
+                              "workspace)")
         return {"remote": redact(remote_url), "seconds": 0.0, "targets": []}
     res = _dvc(["pull", "--allow-missing", "-r", remote_name, *targets], Path(repo), "dvc-pull")
     return {"remote": redact(remote_url), "seconds": res.seconds, "targets": targets}

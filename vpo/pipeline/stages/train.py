@@ -133,8 +133,11 @@ class HarmlessMissingKeysFilter(logging.Filter):
 
 
 class ProgressFileCallback(TrainerCallback):
-    """Writes ``{"step", "max_steps", "last", "numbers"}`` to a JSON file at every log (``numbers``:
-    :func:`headline`): the orchestrator (a separate process) reads it to publish progress artifacts."""
+    """Writes ``{"step", "max_steps", "last", "numbers", "rows"}`` to a JSON file at every log
+    (``numbers``: :func:`headline` of the newest record, ``rows``: ``[step, numbers]`` of the last
+    :attr:`ROWS` records): the orchestrator (a separate process) reads it to publish progress artifacts."""
+
+    ROWS = 12
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -148,9 +151,9 @@ class ProgressFileCallback(TrainerCallback):
                                                                if isinstance(v, (int, float))}})
         tmp = self.path.with_suffix(".tmp")
         last = self.history[-1] if self.history else {}
-        numbers = next((headline(rec) for rec in reversed(self.history) if headline(rec)), {})
+        rows = [[rec["step"], headline(rec)] for rec in self.history if headline(rec)][-self.ROWS:]
         tmp.write_text(json.dumps({"step": state.global_step, "max_steps": state.max_steps, "last": last,
-                                   "numbers": numbers}))
+                                   "numbers": rows[-1][1] if rows else {}, "rows": rows}))
         os.replace(tmp, self.path)
 
 
