@@ -60,9 +60,14 @@ class Plan:
         return [s.dvc_stage for s in self.steps]
 
     def missing_targets(self) -> list[str]:
-        """The DVC stages whose outputs are not in the workspace: what ``dvc pull`` restores (outputs
-        that are here stay as they are; ``dvc repro`` decides whether they are current)."""
-        return [s.dvc_stage for s in self.steps if not all(Path(p).exists() for p in s.outputs)]
+        """The DVC stages whose outputs are not in the workspace but are recorded in ``dvc.lock``: what
+        ``dvc pull`` can restore (outputs that are here stay as they are; ``dvc repro`` decides whether
+        they are current; a stage DVC never recorded has nothing to pull)."""
+        lock = self.repo / "dvc.lock"
+        recorded = set((yaml.safe_load(lock.read_text(encoding="utf-8")) or {}).get("stages") or {}) \
+            if lock.is_file() else set()
+        return [s.dvc_stage for s in self.steps
+                if s.dvc_stage in recorded and not all(Path(p).exists() for p in s.outputs)]
 
 
 def artifact_slug(text: str) -> str:

@@ -29,8 +29,17 @@ from prefect.runtime import flow_run as runtime_flow_run
 from prefect.tasks import exponential_backoff
 
 from flows.plan import artifact_slug, make_plan
-from flows.report import publish
-from flows.tasks import ProgressSpec, dvc_cmd, dvc_pull, dvc_push, register, run_stage, vpo_cmd
+from flows.report import publish, publish_failure
+from flows.tasks import (
+    ProgressSpec,
+    dvc_cmd,
+    dvc_pull,
+    dvc_push,
+    progress_markdown,
+    register,
+    run_stage,
+    vpo_cmd,
+)
 from vpo.pipeline.layout import RunLayout
 from vpo.pipeline.names import variant_name
 from vpo.pipeline.storage import redact
@@ -63,31 +72,44 @@ def retrain(
                 plan.repo, plan.mode_note, redact(plan.remote_url or "none"), redact(plan.registry_url))
     backoff = exponential_backoff(max(0.0, float(retry_delay_s)))
     sync = plan.use_dvc and plan.remote_url is not None
-    pulled = None
-    if sync:
-        pulled = dvc_pull.with_options(retry_delay_seconds=backoff)(
-            str(plan.repo), plan.remote_url, plan.remote_name, plan.missing_targets()
-        )
     layout = RunLayout(plan.run_dir, plan.variant)
     stage_task = run_stage.with_options(retry_delay_seconds=backoff)
-    results = []
-    for step in plan.steps:
-        progress = None
-        if step.run_id:
-            artifact = create_progress_artifact(
-                progress=0.0, key=f"{artifact_slug(plan.variant)}-train-{artifact_slug(step.run_id)}",
-                description=f"{plan.variant}: training of {step.run_id}")
-            progress = ProgressSpec(artifact_id=str(artifact), progress_file=str(layout.arm_progress(step.run_id)))
-        cmd = dvc_cmd("repro", "--single-item", step.dvc_stage) if plan.use_dvc else vpo_cmd(*step.argv)
-        results.append(stage_task.with_options(task_run_name=step.label)(
-            step.label, cmd, str(plan.repo), plan.use_dvc, plan.variant, progress))
-    pushed = None
-    if sync:
-        pushed = dvc_push.with_options(retry_delay_seconds=backoff)(
-            str(plan.repo), plan.remote_url, plan.remote_name, plan.dvc_targets
-        )
-    entries = register.with_options(retry_delay_seconds=backoff)(plan)
-    return publish(plan, results, pulled, pushed, entries)
+    results: list[dict[str, Any]] = []
+    current = "dvc-pull"
+    try:
+        pulled = None
+        if sync:
+            pulled = dvc_pull.with_options(retry_delay_seconds=backoff)(
+                str(plan.repo), plan.remote_url, plan.remote_name, plan.missing_targets()
+            )
+        for step in plan.steps:
+            current = step.label
+            progress = None
+            if step.run_id:
+                artifact = create_progress_artifact(
+                    progress=0.0, key=f"{artifact_slug(plan.variant)}-train-{artifact_slug(step.run_id)}",
+                    description=progress_markdown(f"{plan.variant}: train@{step.run_id}", []))
+                progress = ProgressSpec(artifact_id=str(artifact),
+                                        progress_file=str(layout.arm_progress(step.run_id)))
+            cmd = dvc_cmd("repro", "--single-item", step.dvc_stage) if plan.use_dvc else vpo_cmd(*step.argv)
+            results.append(stage_task.with_options(task_run_name=step.label)(
+                step.label, cmd, str(plan.repo), plan.use_dvc, plan.variant, progress))
+        pushed = None
+        if sync:
+            current = "dvc-push"
+            pushed = dvc_push.with_options(retry_delay_seconds=backoff)(
+                str(plan.repo), plan.remote_url, plan.remote_name, plan.dvc_targets
+            )
+        current = "register"
+        entries = register.with_options(retry_delay_seconds=backoff)(plan)
+        current = "publish"
+        return publish(plan, results, pulled, pushed, entries)
+    except BaseException as exc:  # the report says what failed and what completed, then the flow fails
+        try:
+            publish_failure(plan, results, current, exc)
+        except Exception as report_exc:  # noqa: BLE001 (never hide the real failure behind a reporting one)
+            logger.warning("could not publish the failure report: %s", report_exc)
+        raise
 
 
 def serve(

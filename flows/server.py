@@ -5,18 +5,21 @@ printed, and the server stopped afterwards unless ``--keep``."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from flows.tasks import kill_group
 from vpo.pipeline.storage import subprocess_env
 
-__all__ = ["LocalServer", "run_with_local_server"]
+__all__ = ["LocalServer", "Terminated", "run_with_local_server", "stop_on_signals"]
 
 
 def _exe(name: str) -> str | None:
@@ -101,26 +104,66 @@ def run_with_local_server(
 ) -> str:
     """Start a local Prefect server (UI at http://127.0.0.1:PORT), run the flow against it and print
     the flow run's UI address; stop the server afterwards unless ``keep``. Returns that address."""
+    repo = Path(config).expanduser().resolve().parent
+    home = Path(os.environ.get("PREFECT_HOME") or repo / ".prefect")
+    server = LocalServer(home, port)
+    with stop_on_signals():
+        server.start()
+        try:
+            return _run_flow(server, home, pipeline, quick, config, keep, overrides)
+        finally:
+            _drain_logs()  # what the flow logged last reaches the server before it stops
+            server.stop()
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM/SIGHUP turned into an exception, so ``finally`` blocks (stopping the server and the
+    stage's process group) run as they do on Ctrl-C."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """Within the block SIGTERM and SIGHUP raise :class:`Terminated` in the main thread (Ctrl-C already
+    raises KeyboardInterrupt), so every server and subprocess this process started is stopped."""
+    def handler(signum: int, frame: Any) -> None:
+        raise Terminated(signum)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _drain_logs() -> None:
+    try:
+        from prefect.logging.handlers import APILogWorker
+
+        APILogWorker.drain_all(timeout=10)
+    except Exception as exc:  # noqa: BLE001 (best effort: the server stops either way)
+        print(f"[vpo] some flow logs may not have reached the server: {exc}", file=sys.stderr)
+
+
+def _run_flow(server: LocalServer, home: Path, pipeline: str, quick: bool, config: str, keep: bool,
+              overrides: dict[str, Any] | None) -> str:
     from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
 
     from flows.retrain import retrain
 
-    repo = Path(config).expanduser().resolve().parent
-    home = Path(os.environ.get("PREFECT_HOME") or repo / ".prefect")
-    server = LocalServer(home, port)
-    server.start()
-    try:
-        with temporary_settings(updates={PREFECT_API_URL: server.api_url, PREFECT_HOME: str(home)}):
-            state = retrain(pipeline=pipeline, quick=quick, config=config, overrides=overrides or {},
-                            return_state=True)
-        address = f"{server.url}/runs/flow-run/{state.state_details.flow_run_id}"
-        print(f"\nflow run {state.name}: {address}")
-        if keep:
-            server.keep()
-            print(f"Prefect UI: {server.url}  (stop it with: PREFECT_HOME={home} prefect server stop)")
-            server.proc = None
-        if state.is_failed():
-            raise SystemExit(1)
-        return address
-    finally:
-        server.stop()
+    with temporary_settings(updates={PREFECT_API_URL: server.api_url, PREFECT_HOME: str(home)}):
+        state = retrain(pipeline=pipeline, quick=quick, config=config, overrides=overrides or {},
+                        return_state=True)
+    address = f"{server.url}/runs/flow-run/{state.state_details.flow_run_id}"
+    print(f"\nflow run {state.name}: {address}")
+    if keep:
+        server.keep()
+        print(f"Prefect UI: {server.url}  (stop it with: PREFECT_HOME={home} prefect server stop)")
+        server.proc = None
+    if state.is_failed():
+        raise SystemExit(1)
+    return address

@@ -13,6 +13,7 @@ only, before doing any work; the retry policy then has to complete them.
 
 from __future__ import annotations
 
+import contextvars
 import json
 import os
 import re
@@ -51,6 +52,7 @@ __all__ = [
     "dvc_error",
     "dvc_pull",
     "dvc_push",
+    "progress_markdown",
     "register",
     "run_stage",
     "validation_failure",
@@ -163,7 +165,11 @@ def run_streaming(
             tail.append(line)
             logger.info("%s | %s", log_prefix, line)
 
-    reader = threading.Thread(target=pump, name=f"pump-{log_prefix}", daemon=True)
+    # the reader thread runs in a copy of this context: Prefect's settings (the API URL of `vpo ui`'s
+    # server, set with temporary_settings) and the task run live in context variables, which a bare
+    # thread does not inherit -- its records then went to another API (or none) and never reached the UI
+    context = contextvars.copy_context()
+    reader = threading.Thread(target=context.run, args=(pump,), name=f"pump-{log_prefix}", daemon=True)
     reader.start()
     try:
         while proc.poll() is None:
@@ -232,14 +238,34 @@ class ProgressSpec:
     progress_file: str
 
 
-_PROGRESS_KEYS = (("reward", "reward"), ("vpo/expected_max", "expected max"),
-                  ("vpo/reward_diversity", "diversity"), ("vpo/frac_unparsed", "unparsed"), ("loss", "loss"))
+_PROGRESS_ROWS = 12
+"""Rows of the per-step table in a training run's progress artifact (the newest steps)."""
+
+
+def progress_markdown(label: str, rows: Sequence[tuple[int, int, dict[str, float]]]) -> str:
+    """The progress artifact's description: the run and a table of its latest logged steps with the
+    headline numbers (reward, E max, diversity, parse rate, loss), newest first."""
+    from vpo.pipeline.stages.train import HEADLINE
+
+    names = [name for name, _ in HEADLINE]
+    head = ["step", *[("parse rate" if n == "parse" else n) for n in names]]
+    lines = [f"**{label}** step {rows[-1][0]}/{rows[-1][1]}" if rows else f"**{label}** waiting for the first step",
+             "", "| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    for step, _, numbers in reversed(rows[-_PROGRESS_ROWS:]):
+        cells = [f"{100 * numbers[n]:.0f}%" if n == "parse" and n in numbers else
+                 (f"{numbers[n]:.3f}" if n in numbers else "") for n in names]
+        lines.append("| " + " | ".join([str(step), *cells]) + " |")
+    return "\n".join(lines)
 
 
 def _progress_updater(spec: ProgressSpec, label: str) -> Callable[[float], None]:
     """A tick callback that reads progress.json (if written after ``start``), sets the run's progress
-    artifact to its share of steps done and logs each new step with the numbers that matter."""
+    artifact to its share of steps done with a table of the steps' numbers as its description, and
+    logs each new step with those numbers."""
+    from vpo.pipeline.console import format_numbers
+
     last = [-1]
+    rows: list[tuple[int, int, dict[str, float]]] = []
     path = Path(spec.progress_file)
     logger = get_run_logger()
 
@@ -249,15 +275,19 @@ def _progress_updater(spec: ProgressSpec, label: str) -> Callable[[float], None]
                 return
             data = json.loads(path.read_text(encoding="utf-8"))
             step, max_steps = int(data["step"]), max(1, int(data["max_steps"]))
-        except (OSError, ValueError, KeyError, TypeError):
+            numbers = {k: float(v) for k, v in (data.get("numbers") or {}).items() if isinstance(v, (int, float))}
+            logged = {int(s): {k: float(v) for k, v in n.items()} for s, n in data.get("rows") or []}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return
         if step > last[0]:
+            seen = {r[0] for r in rows}  # every logged step, also those between two polls
+            rows.extend((s, max_steps, n) for s, n in sorted(logged.items()) if s not in seen and s < step)
+            rows.append((step, max_steps, logged.get(step, numbers)))
             update_progress_artifact(artifact_id=UUID(spec.artifact_id),
-                                     progress=round(100.0 * min(1.0, max(0.0, step / max_steps)), 1))
-            logs = data.get("last") or {}
-            numbers = ", ".join(f"{name} {logs[key]:.3f}" for key, name in _PROGRESS_KEYS
-                                if isinstance(logs.get(key), (int, float)))
-            logger.info("%s: step %d/%d%s", label, step, max_steps, f" ({numbers})" if numbers else "")
+                                     progress=round(100.0 * min(1.0, max(0.0, step / max_steps)), 1),
+                                     description=progress_markdown(label, rows))
+            text = format_numbers(numbers)
+            logger.info("%s: step %d/%d%s", label, step, max_steps, f"  {text}" if text else "")
             last[0] = step
 
     return tick
@@ -353,7 +383,8 @@ def dvc_pull(repo: str, remote_url: str, remote_name: str, targets: list[str]) -
     (the plan passes only stages whose outputs are not in the workspace: nothing here is overwritten)."""
     configure_dvc_remote(repo, remote_url, name=remote_name)
     if not targets:
-        get_run_logger().info("dvc-pull: every output is in the workspace; nothing to restore")
+        get_run_logger().info("dvc-pull: nothing to restore (every output recorded in dvc.lock is in the "
+                              "workspace)")
         return {"remote": redact(remote_url), "seconds": 0.0, "targets": []}
     res = _dvc(["pull", "--allow-missing", "-r", remote_name, *targets], Path(repo), "dvc-pull")
     return {"remote": redact(remote_url), "seconds": res.seconds, "targets": targets}

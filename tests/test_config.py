@@ -434,7 +434,7 @@ def test_params_yaml_variant_loads_as_the_pipeline_and_goes_stale_with_it(tmp_pa
 
     path = write(tmp_path, {"p": minimal(quick={"trainer": {"max_steps": 2}})})
     params = tmp_path / "params.yaml"
-    params.write_text(params_yaml_text(path, pipelines=("p",)))
+    params.write_text(params_yaml_text(path, ["p", "p-quick"]))
     cfg = load_variant("p-quick", params, config_path=path)
     assert cfg.settings() == load_pipeline("p", path, quick=True).settings() and cfg.variant == "p-quick"
     # an experiment edits params.yaml (dvc exp run -S): allowed, and what runs

@@ -65,11 +65,42 @@ def test_dvc_yaml_and_params_yaml_are_up_to_date_with_pipelines_yaml() -> None:
     )
 
 
+def _declared_repo(tmp_path: Path, *variants: str) -> Path:
+    """A copy of pipelines.yaml with dvc.yaml and params.yaml generated for ``variants``."""
+    shutil.copy(REPO / "pipelines.yaml", tmp_path / "pipelines.yaml")
+    from vpo.pipeline.dvcgen import main as dvc_main
+
+    assert dvc_main(["--config", str(tmp_path / "pipelines.yaml"), *[a for v in variants for a in ("--add", v)]]) == 0
+    return tmp_path
+
+
+def test_dvc_yaml_declares_only_the_variants_in_use(tmp_path: Path) -> None:
+    """The committed dvc.yaml declares the quick variant only (what make quick, CI and the flow tests
+    run), so `dvc status` and `dvc metrics show` speak of nothing else; `vpo dvc --add route` declares
+    the full main job, `--remove` drops it again, and the choice survives a plain `vpo dvc`."""
+    from vpo.pipeline.dvcgen import declared_variants
+    from vpo.pipeline.dvcgen import main as dvc_main
+
+    committed = yaml.safe_load((REPO / "dvc.yaml").read_text(encoding="utf-8"))
+    assert all(name.startswith(f"{QUICK}-") for name in committed["stages"])
+    assert committed["metrics"] == [f"runs/{QUICK}/eval/summary.json"]
+    repo = _declared_repo(tmp_path, "route")
+    assert sorted(declared_variants(repo / "pipelines.yaml")) == ["route", "route-quick"]
+    both = yaml.safe_load((repo / "dvc.yaml").read_text(encoding="utf-8"))
+    assert "route-evaluate" in both["stages"] and f"{QUICK}-evaluate" in both["stages"]
+    assert dvc_main(["--config", str(repo / "pipelines.yaml")]) == 0  # keeps the declared set
+    assert "route-evaluate" in yaml.safe_load((repo / "dvc.yaml").read_text(encoding="utf-8"))["stages"]
+    assert dvc_main(["--config", str(repo / "pipelines.yaml"), "--remove", "route"]) == 0
+    assert (repo / "dvc.yaml").read_text(encoding="utf-8") == (REPO / "dvc.yaml").read_text(encoding="utf-8")
+    assert dvc_main(["--config", str(repo / "pipelines.yaml"), "--add", "nope"]) == 2
+
+
 @pytest.mark.parametrize("quick", [False, True])
-def test_dvc_yaml_covers_every_arm_seed_and_real_params(quick: bool) -> None:
+def test_dvc_yaml_covers_every_arm_seed_and_real_params(quick: bool, tmp_path: Path) -> None:
     """One train stage per enabled arm x seed; every params key exists; every code dep exists."""
-    cfg = load_pipeline("route", REPO / "pipelines.yaml", quick=quick)
-    dvc_yaml = yaml.safe_load((REPO / "dvc.yaml").read_text(encoding="utf-8"))
+    repo = _declared_repo(tmp_path, "route")
+    cfg = load_pipeline("route", repo / "pipelines.yaml", quick=quick)
+    dvc_yaml = yaml.safe_load((repo / "dvc.yaml").read_text(encoding="utf-8"))
     prefix = "route-quick" if quick else "route"
     train = dvc_yaml["stages"][f"{prefix}-train"]
     assert sorted(train["foreach"]) == sorted(r.rid for r in arm_runs(cfg))
@@ -78,7 +109,7 @@ def test_dvc_yaml_covers_every_arm_seed_and_real_params(quick: bool) -> None:
         for item in train["foreach"].values()
     )
     assert set(_stage_names(cfg)) <= _declared_stages(dvc_yaml)
-    params = yaml.safe_load((REPO / "params.yaml").read_text(encoding="utf-8"))
+    params = yaml.safe_load((repo / "params.yaml").read_text(encoding="utf-8"))
     for name, body in dvc_yaml["stages"].items():
         if not name.startswith(f"{prefix}-") or (not quick and name.startswith("route-quick-")):
             continue
@@ -98,6 +129,7 @@ def test_dvc_yaml_covers_every_arm_seed_and_real_params(quick: bool) -> None:
     assert (
         json.loads((REPO / ".dvc" / "plots" / "arms.json").read_text())["encoding"]["color"]["field"] == "arm"
     )
+    assert json.loads((REPO / ".dvc" / "plots" / "runs.json").read_text())["encoding"]["color"]["field"] == "run"
 
 
 def test_dvc_config_is_quiet_and_secret_free() -> None:
@@ -162,26 +194,39 @@ def test_plain_repro_after_the_flow_reruns_nothing(repro_repo: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.integration
 def test_repro_reruns_exactly_the_changed_stage_then_nothing(repro_repo: Path) -> None:
-    """Changing an evaluation-only param re-runs `evaluate` alone; the next repro runs nothing;
-    metrics and the per-arm best@k plot are readable through DVC."""
-    path = repro_repo / "params.yaml"  # what the DVC stages read (an experiment's edit)
-    raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    raw[QUICK]["evaluation"]["n_samples"] = 6
-    path.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
-    ran, skipped = _ran_and_skipped(run([DVC, "repro", f"{QUICK}-evaluate"], repro_repo, timeout=900).stdout)
-    assert ran == {f"{QUICK}-evaluate"} and skipped == _upto_evaluate() - ran
+    """`dvc exp run -S` with an evaluation-only param re-runs `evaluate` alone and leaves pipelines.yaml
+    byte-identical; the next repro runs nothing; metrics (a few lines) and the per-arm best@k plot are
+    readable through DVC, and `dvc plots show` writes a page that needs no network."""
+    pipelines_before = (repro_repo / "pipelines.yaml").read_bytes()
+    run(["git", "-c", "user.name=t", "-c", "user.email=t@t.invalid", "add", "-A"], repro_repo)
+    run(["git", "-c", "user.name=t", "-c", "user.email=t@t.invalid", "commit", "-qm", "flow outputs"], repro_repo)
+    exp = run([DVC, "exp", "run", "-S", f"{QUICK}.evaluation.n_samples=6", f"{QUICK}-evaluate"], repro_repo,
+              timeout=900)
+    ran, skipped = _ran_and_skipped(exp.stdout)
+    assert ran == {f"{QUICK}-evaluate"} and skipped == _upto_evaluate() - ran, exp.stdout[-3000:]
+    assert (repro_repo / "pipelines.yaml").read_bytes() == pipelines_before
+    assert yaml.safe_load((repro_repo / "params.yaml").read_text(encoding="utf-8"))[QUICK]["evaluation"][
+        "n_samples"] == 6
     ran, skipped = _ran_and_skipped(run([DVC, "repro", f"{QUICK}-evaluate"], repro_repo).stdout)
     assert ran == set() and skipped == _upto_evaluate()
     metrics_path = f"runs/{QUICK}/eval/metrics.json"
     shown = json.loads(run([DVC, "metrics", "show", "--json", metrics_path], repro_repo).stdout)
     data = next(iter(shown.values()))["data"][metrics_path]["data"]
     assert data["n_samples"] == 6 and set(data["arms"]) >= {"grpo", "vpo", "grpo_x3"}
+    table = run([DVC, "metrics", "show"], repro_repo)  # the declared summary file: a few numbers per arm
+    lines = table.stdout.strip().splitlines()
+    assert len(lines) < 20 and "failed" not in (table.stdout + table.stderr).lower(), table.stdout
+    assert lines[0].split()[0] == "Path" and "vpo.best@1" in lines[0] and lines[1].startswith(f"runs/{QUICK}/")
     plots = json.loads(
         run([DVC, "plots", "show", "--json", f"{QUICK}-best-at-k", f"{QUICK}-train-loss"], repro_repo).stdout
     )
     values = plots["data"][f"{QUICK}-best-at-k"][0]["content"]["data"]["values"]
     assert {v["arm"] for v in values} >= {"grpo", "vpo", "grpo_x3"} and all("k" in v for v in values)
     assert plots["data"][f"{QUICK}-train-loss"][0]["content"]["data"]["values"]
+    run([DVC, "plots", "show", f"{QUICK}-best-at-k", f"{QUICK}-train-loss"], repro_repo)
+    page = (repro_repo / "dvc_plots" / "index.html").read_text(encoding="utf-8")
+    assert "vegaEmbed" in page and f"{QUICK}-best-at-k" in page
+    assert not re.search(r"<script[^>]+src=[\"']https?:", page), "the page loads scripts from the network"
     shutil.rmtree(repro_repo / "dvc_plots", ignore_errors=True)
 
 

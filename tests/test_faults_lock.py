@@ -172,4 +172,6 @@ def test_cli_run_and_stage_exit_3_while_locked(tmp_path: Path, holders: list[Hol
         assert proc.returncode == 3, proc.stderr
         assert f"is already running (pid {holders[0].pid} on" in proc.stderr, proc.stderr
         assert proc.stderr.count("error:") == 1 and "Traceback" not in proc.stderr
-    assert sorted(p.name for p in run_dir.iterdir()) == [".lock"], "a refused run wrote into the run folder"
+    # a refused run leaves only its own log file (runs/<variant>/logs/) beside the holder's lock
+    assert sorted(p.name for p in run_dir.iterdir()) in ([".lock"], [".lock", "logs"]), "a refused run wrote there"
+    assert all(p.suffix == ".log" for p in (run_dir / "logs").glob("*")), sorted((run_dir / "logs").glob("*"))

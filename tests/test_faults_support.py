@@ -261,13 +261,16 @@ def wait_for(path: Path, proc: subprocess.Popen[bytes], timeout: float, log: Pat
 
 
 def tree_digest(root: Path, *, skip_hidden: bool = False) -> dict[str, str]:
-    """sha256 of every file under ``root`` (relative posix path -> hex digest)."""
+    """sha256 of every file under ``root`` (relative posix path -> hex digest), leaving out the run
+    folders' own log files (``runs/<variant>/logs/*.log``: each command adds one, which loses nothing)."""
     out: dict[str, str] = {}
     if not root.exists():
         return out
     for p in sorted(root.rglob("*")):
         rel = p.relative_to(root)
         if skip_hidden and any(part.startswith(".") for part in rel.parts):
+            continue
+        if rel.suffix == ".log" and len(rel.parts) >= 2 and rel.parts[-2] == "logs":
             continue
         if p.is_file() and not p.is_symlink():
             out[rel.as_posix()] = hashlib.sha256(p.read_bytes()).hexdigest()

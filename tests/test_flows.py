@@ -110,17 +110,10 @@ def test_artifact_keys_and_tables() -> None:
         }
     }
     assert report.metrics_rows(metrics) == [
-        {
-            "arm": "vpo",
-            "runs": 1,
-            "best@1": 0.25,
-            "best@5": 0.5,
-            "pass@5": 0.75,
-            "reward_diversity": 0.1,
-            "collapsed_runs": 0,
-        }
+        {"arm": "vpo", "runs": 1, "best@1": 0.25, "best@5": 0.5, "pass@5": 0.75, "diversity": 0.1, "collapsed": "0/1"}
     ]
     reg = {
+        "registry": "s3://b/registry",
         "entries": [
             {
                 "arm": "vpo-s0",
@@ -135,8 +128,8 @@ def test_artifact_keys_and_tables() -> None:
         ]
     }
     row = report.registry_rows(reg)[0]
-    assert row["hash"] == "ab" * 8 and row["estimator"] == "vpo" and row["files"] == 2
-    assert json.loads(row["best_at_k"]) == {"1": 0.5}
+    assert row == {"run": "vpo-s0", "path": "s3://b/registry/objects/" + "ab" * 32, "hash": "ab" * 8,
+                   "git rev": "c" * 12, "dvc.lock": "d" * 12, "best@1": 0.5}
 
 
 # --------------------------------------------------------------------------- helpers over the API
@@ -214,8 +207,9 @@ import json, os, sys, time
 path = sys.argv[1]
 for step in (1, 2, 3):
     time.sleep(1.5)
+    numbers = {"reward": 0.1 * step, "E max": 0.2 * step, "diversity": 1.0, "parse": 0.9, "loss": 0.01}
     with open(path + ".tmp", "w") as fh:
-        json.dump({"step": step, "max_steps": 3}, fh)
+        json.dump({"step": step, "max_steps": 3, "numbers": numbers}, fh)
     os.replace(path + ".tmp", path)
 time.sleep(1.0)
 """
@@ -225,16 +219,21 @@ time.sleep(1.0)
 def test_train_progress_file_is_polled_into_the_progress_artifact(
     prefect_api: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """While a (fake) train subprocess writes progress.json, the task pushes each step to the artifact."""
+    """While a (fake) train subprocess writes progress.json, the task pushes each step to the artifact:
+    its progress and, as its description, a table of the steps with reward, E max, diversity, parse
+    rate and loss (newest first)."""
     from prefect import flow
     from prefect.artifacts import create_progress_artifact
 
     seen: list[float] = []
+    tables: list[str] = []
     real = tasks.update_progress_artifact
 
-    def spy(artifact_id: UUID, progress: float) -> Any:
+    def spy(artifact_id: UUID, progress: float, description: str | None = None) -> Any:
         seen.append(progress)
-        return real(artifact_id=artifact_id, progress=progress)
+        if description is not None:
+            tables.append(description)
+        return real(artifact_id=artifact_id, progress=progress, description=description)
 
     monkeypatch.setattr(tasks, "update_progress_artifact", spy)
     progress_file = tmp_path / "progress.json"
@@ -254,8 +253,13 @@ def test_train_progress_file_is_polled_into_the_progress_artifact(
     state = probe(return_state=True)
     assert state.is_completed()
     assert seen == [33.3, 66.7, 100.0, 100.0]
+    assert len(tables) == 3 and "| step | reward | E max | diversity | parse rate | loss |" in tables[-1]
+    rows = [ln for ln in tables[-1].splitlines() if ln.startswith("| ") and ln[2].isdigit()]
+    assert rows == ["| 3 | 0.300 | 0.600 | 1.000 | 90% | 0.010 |", "| 2 | 0.200 | 0.400 | 1.000 | 90% | 0.010 |",
+                    "| 1 | 0.100 | 0.200 | 1.000 | 90% | 0.010 |"]
     arts = _artifacts(state.state_details.flow_run_id)
     assert float(arts["probe-train-progress"].data) == 100.0
+    assert "| 3 | 0.300 |" in arts["probe-train-progress"].description
     assert any(
         "train@probe-s0: step 2/3" in line
         for line in _logs(state.state_details.flow_run_id)
@@ -293,6 +297,19 @@ def test_flow_runs_every_stage_then_pushes_registers_publishes(quick_flow: FlowR
 
 @pytest.mark.slow
 @pytest.mark.integration
+def test_stage_output_reaches_the_flow_run_logs(quick_flow: FlowResult) -> None:
+    """Every line a stage subprocess prints is a log record of the flow run in the API (what the UI
+    shows): the stage's start and done lines, its bar's last state, the evaluation table."""
+    logs = _logs(quick_flow.run_id)
+    for label in ("data", "base", "train@vpo-s0", "evaluate", "search"):
+        assert any(line.startswith(f"{label} | [vpo] {label}: done in") for line in logs), label
+    assert any(line.startswith("train@vpo-s0 | train@vpo-s0: 4/4 step") for line in logs)
+    assert any(line.startswith("evaluate | | vpo | ") for line in logs)  # the evaluation table's rows
+    assert len(logs) > 100
+
+
+@pytest.mark.slow
+@pytest.mark.integration
 def test_injected_failure_is_retried_and_the_flow_completes(quick_flow: FlowResult) -> None:
     """VPO_FAULT_ONCE=train@vpo-s0: first attempt failed, the retry ran the stage, the flow completed."""
     runs = _task_runs(quick_flow.run_id)
@@ -323,14 +340,23 @@ def test_artifacts_report_metrics_registry_and_progress(quick_flow: FlowResult) 
     png_b64 = md.split("data:image/png;base64,", 1)[1].split(")", 1)[0]
     png = (quick_flow.repo / "runs" / "route-quick" / "eval" / "best_at_k.png").read_bytes()
     assert base64.b64decode(png_b64) == png and png.startswith(b"\x89PNG")
-    assert "| arm | runs | best@1" in md and all(f"| {arm} |" in md for arm in ("grpo", "vpo", "grpo_x3", "max_at_k"))
+    assert "| arm | k=1 | k=3 | k=5 |" in md and all(f"| {arm} |" in md for arm in ("grpo", "vpo", "grpo_x3", "max_at_k"))
     metrics = _table(arts["route-quick-metrics"])
     assert {row["arm"] for row in metrics} == {"base-m1", "base-m3", "grpo", "vpo", "grpo_x3", "max_at_k"}
-    assert all("best@5" in row for row in metrics)
+    assert all("best@5" in row and "parse rate" in row for row in metrics)
     registry = _table(arts["route-quick-registry"])
-    assert sorted(row["arm"] for row in registry) == ["grpo-s0", "grpo_x3-s0", "max_at_k-s0", "vpo-s0"]
+    assert sorted(row["run"] for row in registry) == ["grpo-s0", "grpo_x3-s0", "max_at_k-s0", "vpo-s0"]
+    for row in registry:  # where the checkpoint is, what it is, where it came from, how it scores
+        assert row["path"].startswith(f"s3://{quick_flow.bucket}/registry/objects/") and row["hash"] in row["path"]
+        assert len(row["git rev"]) >= 12 and row["dvc.lock"] != "none" and 0 <= row["best@5"] <= 1
     for key in ("route-quick-train-grpo-s0", "route-quick-train-vpo-s0", "route-quick-train-grpo-x3-s0"):
         assert arts[key].type == "progress" and float(arts[key].data) == 100.0, key
+        table = arts[key].description  # the steps' numbers, updated with the progress
+        assert "| step | reward | E max | diversity | parse rate | loss |" in table, table
+        assert "step 4/4" in table and all(f"\n| {step} | " in table for step in (1, 2, 3, 4)), table  # every step
+    for table in md.split("\n\n"):  # every table of the report is narrow enough to read in the UI
+        if table.startswith("| "):
+            assert table.splitlines()[0].count("|") <= 10, table.splitlines()[0]
 
 
 @pytest.mark.slow
@@ -449,6 +475,10 @@ def test_failed_expectation_stops_the_flow_with_a_report(prefect_api: str, tmp_p
     assert "Read two integers and print their sum." in report.data
     assert not (tmp_path / "runs" / "corrupt" / "data").exists()
     assert not (tmp_path / "runs" / "registry").exists()
+    failed = _artifacts(flow_run_id)["corrupt-report"].data  # the run report, for a failed run too
+    assert failed.startswith("# Retrain FAILED: `corrupt` at `data`")
+    assert "**Error** (DataValidationFailed): stage data stopped the flow" in failed
+    assert "## Completed\n\n_nothing_" in failed and "`train@grpo-s0`" in failed and "`register`" in failed
 
 
 # --------------------------------------------------------------------------- issue 6: S3 outage during push

@@ -179,9 +179,10 @@ def test_compose_has_no_inline_secrets_and_one_s3_config() -> None:
     assert worker_env["PREFECT_API_URL"] == "http://prefect-server:4200/api"
     cmd = services["worker"]["command"]
     pool = cmd[cmd.index("--pool") + 1]
-    deployments = load_yaml("prefect.yaml")["deployments"]
+    deployments = prefect_yaml()["deployments"]
     assert pool in {d["work_pool"]["name"] for d in deployments}
-    assert "prefect.yaml" in " ".join(services["deploy"]["command"])
+    assert "prefect --no-prompt deploy --name" in " ".join(services["deploy"]["command"])  # finds ./prefect.yaml
+    assert services["deploy"]["working_dir"] == "/workspace"
 
 
 def test_compose_config_with_docker_if_available() -> None:
@@ -350,7 +351,18 @@ def test_k8s_template_renders_a_gpu_job_with_secret_credentials() -> None:
 
 
 def prefect_yaml() -> dict[str, Any]:
-    return load_yaml("prefect.yaml")
+    return yaml.safe_load((INFRA.parent / "prefect.yaml").read_text())
+
+
+def test_prefect_yaml_is_where_prefect_deploy_looks_for_it() -> None:
+    """`prefect deploy` reads ./prefect.yaml unless told otherwise: the file sits at the repository root."""
+    import inspect
+
+    from prefect.cli.deploy import _commands
+
+    option = inspect.signature(_commands.deploy).parameters["prefect_file"]
+    assert Path(option.default) == Path("prefect.yaml")
+    assert (INFRA.parent / "prefect.yaml").is_file() and not (INFRA / "prefect.yaml").exists()
 
 
 def test_prefect_yaml_validates_with_prefects_model_and_cron() -> None:

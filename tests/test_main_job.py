@@ -60,6 +60,38 @@ def test_metrics_cover_every_arm_and_k(quick_run: tuple[Path, str]) -> None:
     assert (run / "search" / "table.md").read_text().strip() in stdout  # and then the search table
 
 
+def test_console_is_one_line_per_stage_event_and_the_log_file_has_the_rest(quick_run: tuple[Path, str]) -> None:
+    """What `vpo run --quick` prints (here to a pipe: bars print plain lines): a start and a done line
+    per stage, each bar's last state, the tables once, the log file's path -- no library chatter (raw
+    metric dicts, weight-loading bars, None-metric warnings). The log file in logs/ holds everything."""
+    run, stdout = quick_run
+    lines = stdout.splitlines()
+    labels = ["data", "rewards", "base", "train@grpo-s0", "train@vpo-s0", "train@grpo_x3-s0", "train@max_at_k-s0",
+              "evaluate", "search", "register"]
+    for label in labels:
+        assert sum(ln.startswith(f"[vpo] {label}: ") and ln.endswith("; running") for ln in lines) == 1, label
+        assert sum(ln.startswith(f"[vpo] {label}: done in ") for ln in lines) == 1, label
+    results = json.loads((run / "search" / "results.json").read_text())  # arm -> one result per problem
+    n_search = sum(len(v) for arm, v in results.items() if "/" not in arm)  # best-of-k rows are not searches
+    n_policies = len(json.loads((run / "eval" / "metrics.json").read_text())["runs"])  # base m=1, m=3, each run
+    for bar in ("base: sft: 150/150", "train@vpo-s0: 4/4", f"evaluate: {n_policies}/{n_policies}",
+                f"search: {n_search}/{n_search}"):
+        assert any(ln.startswith(bar) for ln in lines), bar
+    assert "parse " in next(ln for ln in lines if ln.startswith("train@vpo-s0: 4/4"))
+    for noise in ("{'loss'", "Loading weights", "Writing model shards", "attempting to log", "Warning", "Traceback"):
+        assert noise not in stdout, noise
+    table = (run / "eval" / "table.md").read_text().strip()
+    assert stdout.count(table.splitlines()[0]) == 1  # the evaluation table is printed once
+    assert len(lines) < 70, len(lines)
+    log_line = lines[-1]
+    assert log_line.startswith("[vpo] full log: "), log_line
+    logs = list((run / "logs").glob("*-run.log"))
+    assert len(logs) == 1
+    text = logs[0].read_text()
+    assert "train@vpo-s0 step 4: {" in text and '"vpo/frac_unparsed"' in text  # every training log record
+    assert "[vpo] train@vpo-s0: done in" in text and table.splitlines()[0] in text
+
+
 def test_search_spent_equal_budgets(quick_run: tuple[Path, str]) -> None:
     run, _ = quick_run
     selection = json.loads((run / "search" / "selection.json").read_text())
@@ -114,3 +146,39 @@ def test_rerun_redoes_only_what_changed_and_says_why(quick_run: tuple[Path, str]
         assert json.loads((run / "arms" / arm / "metrics.json").read_text())["max_steps"] == 5
     assert "[vpo] evaluate: input train@grpo-s0, train@grpo_x3-s0, train@max_at_k-s0 (+1) changed; running" in out
     assert (run / "base" / "model.safetensors").stat().st_mtime_ns == base_before
+
+
+def _event_tags(folder: Path) -> set[str]:
+    """Scalar tags in the TensorBoard event files under ``folder`` (TFRecord framing, Event protos)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    tags: set[str] = set()
+    for path in folder.rglob("events.out.tfevents.*"):
+        data = path.read_bytes()
+        pos = 0
+        while pos + 12 <= len(data):
+            (length,) = struct.unpack("<Q", data[pos:pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
+            tags |= {v.tag for v in event.summary.value}
+            pos += 12 + length + 4
+    return tags
+
+
+def test_report_to_reaches_the_trainer_end_to_end(quick_run: tuple[Path, str]) -> None:
+    """`trainer.report_to: [dvclive, tensorboard]` from the command line: the arm retrains (its
+    settings changed) and both trackers get its training curves, TensorBoard's kept in the run folder."""
+    pytest.importorskip("tensorboardX")
+    run, _ = quick_run
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([str(VPO), "stage", "train", "--quick", "--config", "pipelines.yaml", "--arm", "vpo",
+                           "--seed", "0", "--set", "trainer.max_steps=5", "--set",
+                           "trainer.report_to=[dvclive, tensorboard]"],
+                          cwd=run.parents[1], env=env, capture_output=True, text=True, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "train@vpo-s0: trainer.report_to changed" in proc.stdout, proc.stdout[-2000:]
+    tags = _event_tags(run / "arms" / "vpo-s0" / "tensorboard")
+    assert {"train/loss", "train/vpo/expected_max", "train/vpo/frac_unparsed"} <= tags, sorted(tags)
+    assert (run / "arms" / "vpo-s0" / "live" / "plots" / "metrics" / "vpo" / "expected_max.tsv").is_file()
+    assert not (run / "arms" / "vpo-s0" / "trainer").exists()  # resume state gone, the curves kept

@@ -63,7 +63,7 @@ def test_best_at_k_monotone_in_k_and_bounds() -> None:
     vals = [M.best_at_k(s, k) for k in range(1, 31)]
     assert vals[0] == pytest.approx(s.mean())
     assert vals[-1] == pytest.approx(s.max())
-    assert all(b >= a - 1e-12 for a, b in zip(vals, vals[1:]))
+    assert all(b >= a - 1e-12 for a, b in itertools.pairwise(vals))
     rows = M.best_at_k(np.stack([s, s[::-1]]), 5)
     np.testing.assert_allclose(rows, [vals[4], vals[4]])
     # large n stays finite and exact-ish (coefficients sum to 1)

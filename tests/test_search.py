@@ -664,3 +664,26 @@ def test_derive_seed_is_stable() -> None:
     assert derive_seed(0, "propose", 3) == derive_seed(0, "propose", 3)
     assert derive_seed(0, "propose", 3) != derive_seed(0, "propose", 4)
     assert 0 <= derive_seed(123, "db", "x") < 2**31
+
+
+def test_search_table_pairs_grow_linearly_with_the_reference_arm_on_the_left() -> None:
+    """With n arms the table shows n-1 pairs against the reference (VPO) arm plus one search-vs-best-of-k
+    pair per arm, the reference always on the left with its own counts; comparison.json keeps all pairs."""
+    from vpo.pipeline.stages.search import search_table
+    from vpo.search.curves import compare_arms
+
+    ids = ["p0", "p1", "p2"]
+    solved = {"grpo": ["p0"], "vpo": ["p1", "p2"], "x3": [], "mk": ["p0", "p1"]}
+    solved |= {f"{a}/best_of_k": s[:1] for a, s in list(solved.items())}
+    curves = {a: {"n_problems": 3, "problem_ids": ids, "solved_ids": s, "final_solved": len(s),
+                  "final_mean_best": 0.5, "candidates_used": 9} for a, s in solved.items()}
+    plain = ["grpo", "vpo", "x3", "mk"]
+    comparison = {f"{a} vs {b}": compare_arms(curves[a], curves[b])
+                  for i, a in enumerate(plain) for b in plain[i + 1:]}
+    comparison |= {f"{a} vs {a}/best_of_k": compare_arms(curves[a], curves[f"{a}/best_of_k"]) for a in plain}
+    table = search_table(curves, comparison, ["p2"], 5, reference="vpo")
+    rows = [ln for ln in table.splitlines() if " vs " in ln and "(a vs b)" not in ln]
+    assert len(rows) == 3 + 4 and len(comparison) == 6 + 4
+    assert "| vpo vs grpo | 2 | 1 | 0 | 0 |" in rows  # swapped: vpo alone solves p1, p2; grpo alone p0
+    assert "| vpo vs mk | 1 | 1 | 1 | 0 |" in rows and not any(r.startswith("| grpo vs x3") for r in rows)
+    assert "| vpo vs vpo/best_of_k | 1 | 0 | 1 | 1 |" in rows

@@ -235,7 +235,7 @@ def test_two_process_torchrun_ranks_agree(tmp_path: Path, model_dir: Path) -> No
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
            "-m", "tests.trainer_fixtures", str(model_dir), str(tmp_path)]
     proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     r0 = json.loads((tmp_path / "rank0.json").read_text())
     r1 = json.loads((tmp_path / "rank1.json").read_text())
@@ -266,3 +266,36 @@ def test_truncated_completions_score_zero(tmp_path: Path, model_dir: Path) -> No
     # 4 tokens rarely contain EOS: almost everything is truncated, so the flag empties those sets
     assert seen[True].sum() < seen[False].sum()
     assert (seen[True] <= seen[False]).all()
+
+
+class _NoAnswers(LetterReward):
+    """Parses nothing: every rollout is an empty set, so every per-dimension metric has no value."""
+
+    def parse(self, completion: str, m: int) -> list[str]:
+        return []
+
+
+def test_no_none_metric_reaches_a_logger(tmp_path: Path, model_dir: Path) -> None:
+    """A logging step in which no rollout parsed an answer: TRL would report rewards/<dim>/mean and
+    vpo/dim/<dim> as None, which every logger (DVCLive, TensorBoard) warns about; VPOTrainer leaves
+    them out, and everything a logger callback receives is a number."""
+    from transformers import TrainerCallback
+
+    from vpo.trainer import VPOTrainer
+
+    received: list[dict[str, Any]] = []
+
+    class Recorder(TrainerCallback):
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
+            received.append(dict(logs or {}))
+
+    torch.manual_seed(0)
+    model, tok = _load(model_dir)
+    trainer = VPOTrainer(model=model, reward=_NoAnswers(), args=config(tmp_path, max_steps=2),
+                         train_dataset=toy_dataset(8), processing_class=tok, callbacks=[Recorder()])
+    trainer.train()
+    steps = [rec for rec in received if "loss" in rec]
+    assert len(steps) == 2 and all(rec["vpo/frac_unparsed"] == 1.0 for rec in steps)
+    bad = {k for rec in received for k, v in rec.items() if v is None}
+    assert not bad, f"None values reached the loggers: {sorted(bad)}"
+    assert not any(k.startswith(("rewards/has_", "vpo/dim/")) for rec in steps for k in rec)

@@ -81,3 +81,62 @@ def test_local_server_serves_api_and_ui_and_a_flow_run_page(tmp_path: Path) -> N
     finally:
         server.stop()
     assert not _healthy(server.api_url), "the server is still answering after stop()"
+
+
+def _processes_with_env(key: str, value: str) -> list[str]:
+    """Live processes whose environment has ``key=value`` (pid and command line)."""
+    found = []
+    needle = f"{key}={value}".encode()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if needle not in (proc / "environ").read_bytes().split(b"\0"):
+                continue
+            if (proc / "stat").read_text().split(") ", 1)[1].startswith("Z"):
+                continue  # a zombie has exited
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            found.append(f"{proc.name}: {cmdline[:200]}")
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.slow
+def test_sigterm_during_vpo_ui_leaves_no_server_or_stage_running(tmp_path: Path) -> None:
+    """`vpo ui --quick` gets SIGTERM while the flow runs a stage: it exits (143) with one line, and no
+    process it started -- the Prefect server, the stage's `dvc repro` and `vpo stage` -- is left."""
+    import signal
+    import sys
+    import time
+
+    try:
+        from flows_fixtures import make_repo, tool_env
+    except ModuleNotFoundError:
+        from tests.flows_fixtures import make_repo, tool_env
+
+    repo = make_repo(tmp_path / "repo")
+    home = tmp_path / "prefect-home"  # a unique value: every child process inherits it
+    port = _free_port()
+    env = tool_env(PREFECT_HOME=str(home), OMP_NUM_THREADS="1")
+    env.pop("PREFECT_API_URL", None)  # `vpo ui` talks to its own server
+    proc = subprocess.Popen([sys.executable, "-m", "vpo.pipeline.cli", "ui", "--quick", "--port", str(port)],
+                            cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    seen = []
+    deadline = time.monotonic() + 240
+    for line in proc.stdout:  # the flow's log lines: wait until the base stage is running
+        seen.append(line)
+        if "[vpo] base:" in line or time.monotonic() > deadline:
+            break
+    assert any("[vpo] base:" in line for line in seen), "".join(seen)[-3000:]
+    assert _processes_with_env("PREFECT_HOME", str(home)), "nothing running under the test's PREFECT_HOME"
+    proc.send_signal(signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 143, rest[-3000:]
+    assert "[vpo] stopped by SIGTERM; the local Prefect server and the running stage were stopped" in rest
+    time.sleep(1)
+    assert _processes_with_env("PREFECT_HOME", str(home)) == []
+    from flows.server import _healthy
+
+    assert not _healthy(f"http://127.0.0.1:{port}/api")

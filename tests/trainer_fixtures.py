@@ -54,13 +54,13 @@ def tiny_model_dir(tmp: Path) -> Path:
 def config(out: Path, **overrides: Any) -> Any:
     from vpo.trainer import VPOConfig
 
-    kw: dict[str, Any] = dict(
-        output_dir=str(out), bf16=False, use_cpu=True, gradient_checkpointing=False, report_to="none",
-        save_strategy="no", logging_steps=1, dataloader_pin_memory=False, per_device_train_batch_size=8,
-        num_generations=4, max_completion_length=12, max_steps=2, learning_rate=5e-3, seed=3,
-        estimator="vpo", num_answers=2, num_weights=16, temperature=1.0, disable_tqdm=True,
-        truncated_scores_zero=False,  # an untrained model rarely emits EOS within 12 tokens
-    )
+    kw: dict[str, Any] = {
+        "output_dir": str(out), "bf16": False, "use_cpu": True, "gradient_checkpointing": False, "report_to": "none",
+        "save_strategy": "no", "logging_steps": 1, "dataloader_pin_memory": False, "per_device_train_batch_size": 8,
+        "num_generations": 4, "max_completion_length": 12, "max_steps": 2, "learning_rate": 5e-3, "seed": 3,
+        "estimator": "vpo", "num_answers": 2, "num_weights": 16, "temperature": 1.0, "disable_tqdm": True,
+        "truncated_scores_zero": False,  # an untrained model rarely emits EOS within 12 tokens
+    }
     kw.update(overrides)
     return VPOConfig(**kw)
 

@@ -27,7 +27,7 @@ import os
 import random
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -184,6 +184,7 @@ def train_sft(
     eval_samples: int = 4,
     eval_max_new_tokens: int = 96,
     eval_temperature: float = 1.0,
+    on_step: Callable[[int, float], None] | None = None,
 ) -> Path:
     """Train on the task's demonstrations and save model + tokenizer + ``sft_metrics.json`` in ``out_dir``.
 
@@ -195,6 +196,8 @@ def train_sft(
     ``eval_samples`` completions each, m = 1 and m) is measured before and after training and
     stored as ``parse_before`` / ``parse_after``. ``steps=0`` just saves the starting model.
     ``out_dir`` may equal ``init_dir``. Returns ``out_dir``.
+    ``progress`` draws a tqdm bar; ``on_step(step, loss)`` is called after every step (for callers
+    that draw their own progress).
     """
     if steps > 0 and not hasattr(task, "demonstration"):
         raise TypeError(f"task {getattr(task, 'name', task)!r} cannot write demonstrations for SFT")
@@ -228,6 +231,7 @@ def train_sft(
             progress,
             lora,
             evaluation,
+            on_step,
         )
     finally:
         torch.set_num_threads(prev_threads)
@@ -263,6 +267,7 @@ def _train(
     progress: bool,
     lora: LoraSettings | None,
     evaluation: dict[str, Any],
+    on_step: Callable[[int, float], None] | None = None,
 ) -> Path:
     """The training loop behind :func:`train_sft` (threads already set)."""
     torch.manual_seed(seed)
@@ -322,6 +327,8 @@ def _train(
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.3f}", m=mm)
+        if on_step is not None:
+            on_step(step + 1, losses[-1])
     if bar is not None:
         bar.close()
     elapsed = time.perf_counter() - start

@@ -24,6 +24,7 @@ column, else its prompt) and, for ``goal_conditioned_grpo``, its ``goal_weights`
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -316,6 +317,17 @@ class VPOTrainer(GRPOTrainer):
                 f"step {step}: only {rate:.0%} of rollouts parsed into the {self.args.num_answers}-answer format "
                 f"(VPOConfig.min_parse_rate={self.args.min_parse_rate}); unparsed rollouts score zero",
                 LowParseRateWarning, stacklevel=2)
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """TRL's log, minus metrics with no value in this logging window. TRL averages each metric over
+        its non-NaN values and reports None when there are none (e.g. ``rewards/<dim>/mean`` or
+        ``vpo/dim/<dim>`` when no rollout parsed an answer); every logger then warns about the None
+        ("Trainer is attempting to log a value of None"). A metric without a value is left out of
+        that step instead."""
+        mode = "train" if self.model.training else "eval"
+        metrics = self._metrics[mode]
+        for key in [k for k, vals in metrics.items() if not any(not math.isnan(v) for v in vals)]:  # all NaN, or none
+            del metrics[key]
+        super().log(logs, start_time)
 
     def _log_vpo_metrics(self, mode: str, batch: RewardBatch, gidx: torch.Tensor, group: int,
                          gen: torch.Generator) -> None:

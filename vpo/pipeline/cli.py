@@ -4,7 +4,7 @@
     vpo stage NAME [--pipeline P] [--quick] [--arm A --seed S] [--force]
     vpo stage NAME --variant V [--params params.yaml]   the settings of a generated params.yaml (dvc.yaml)
     vpo flow | ui | serve [--pipeline P] [--quick] [--set K=V]   the Prefect retrain flow
-    vpo dvc [--check]                               regenerate (or check) dvc.yaml and params.yaml
+    vpo dvc [--check] [--add V] [--remove V]        regenerate (or check) dvc.yaml and params.yaml
     vpo registry list|show|...                      the checkpoint registry
     vpo pipelines                                   the pipelines in pipelines.yaml
 
@@ -117,13 +117,19 @@ def _parser() -> argparse.ArgumentParser:
     p_dvc = sub.add_parser("dvc", help="regenerate dvc.yaml and params.yaml from pipelines.yaml")
     p_dvc.add_argument("--config", default="pipelines.yaml")
     p_dvc.add_argument("--check", action="store_true", help="exit 1 when a generated file is stale")
-    sub.add_parser("registry", help="the checkpoint registry: list, show, best, fetch, promote, verify "
-                                    "(`vpo registry --help`)")
+    p_dvc.add_argument("--add", action="append", default=[], metavar="VARIANT",
+                       help="declare this variant in dvc.yaml too (route: the full main job)")
+    p_dvc.add_argument("--remove", action="append", default=[], metavar="VARIANT",
+                       help="stop declaring this variant in dvc.yaml")
+    p_reg = sub.add_parser("registry", help="the checkpoint registry (list, show, best, fetch, promote, verify)",
+                           add_help=False)
+    p_reg.add_argument("rest", nargs=argparse.REMAINDER)
     sub.add_parser("pipelines", help="list pipelines").add_argument("--config", default="pipelines.yaml")
     return ap
 
 
 def _print_tables(cfg: Any, ran_search: bool) -> None:
+    """The run's result tables, once, after the last stage (the stages write them to the log only)."""
     from vpo.pipeline.layout import RunLayout
 
     layout = RunLayout.of(cfg)
@@ -132,6 +138,43 @@ def _print_tables(cfg: Any, ran_search: bool) -> None:
         print(layout.search_table.read_text())
         print(f"search plot: {layout.search_plot}")
     print(f"plot: {layout.eval_plot}")
+
+
+def _log_path(args: argparse.Namespace, cfg: Any) -> Any:
+    """The command's full log file in the run folder (none in processes `accelerate launch` started:
+    their output reaches the parent's console and log)."""
+    import time
+
+    from vpo.pipeline.layout import RunLayout
+    from vpo.pipeline.stages.train import CHILD_ENV
+
+    if os.environ.get(CHILD_ENV):
+        return None
+    command = "run" if args.cmd == "run" else "-".join(
+        ["stage", args.name, *([args.arm] if args.arm else []), *([f"s{args.seed}"] if args.seed is not None else [])])
+    return RunLayout.of(cfg).log_file(command, time.strftime("%Y%m%d-%H%M%S"))
+
+
+def _resume_hint(argv: Sequence[str] | None) -> str:
+    import shlex
+
+    words = list(sys.argv[1:] if argv is None else argv)
+    return (f"run `vpo {shlex.join(words)}` again to resume (finished stages are kept, training resumes "
+            "from its last checkpoint)")
+
+
+def _closing_line() -> None:
+    from vpo.pipeline import console
+
+    path = console.log_file()
+    if path is None:
+        return
+    try:
+        shown = os.path.relpath(path)
+    except ValueError:
+        shown = str(path)
+    n = console.warning_count()
+    console.log(f"full log: {shown}" + (f" ({n} library warning{'s' if n != 1 else ''} in it)" if n else ""))
 
 
 def _stage(args: argparse.Namespace, cfg: Any) -> int:
@@ -200,8 +243,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cmd == "dvc":
         from vpo.pipeline.dvcgen import main as dvc_main
 
-        return dvc_main(["--config", args.config, *(["--check"] if args.check else [])])
+        return dvc_main(["--config", args.config, *(["--check"] if args.check else []),
+                         *[a for v in args.add for a in ("--add", v)], *[a for v in args.remove for a in ("--remove", v)]])
     cfg = _load(args)
+    if args.cmd in ("run", "stage"):
+        from vpo.pipeline import console
+        from vpo.pipeline.errors import EXIT_INTERRUPTED
+
+        with console.session(_log_path(args, cfg), defer_tables=args.cmd == "run"):
+            try:
+                code = _job(args, cfg)
+            except KeyboardInterrupt:
+                console.interrupted(_resume_hint(argv))
+                return EXIT_INTERRUPTED
+            if code == 0:
+                _closing_line()
+            return code
+    return _prefect(args, cfg)
+
+
+def _job(args: argparse.Namespace, cfg: Any) -> int:
+    """``vpo run`` / ``vpo stage``: exit 0 done, 2 bad input, 3 locked (one ``error:`` line each)."""
     from vpo.pipeline.errors import EXIT_BAD_INPUT, EXIT_LOCKED, StageError
     from vpo.pipeline.locking import LockBusyError
     from vpo.pipeline.registry import RegistryError
@@ -231,6 +293,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return EXIT_BAD_INPUT
         raise
+    return 0
+
+
+def _prefect(args: argparse.Namespace, cfg: Any) -> int:
+    """``vpo flow | ui | serve``."""
     from flows import retrain as flows
 
     overrides = parse_overrides(args.set)
@@ -239,8 +306,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                               return_state=True)
         return 1 if state.is_failed() else 0
     if args.cmd == "ui":
-        flows.run_with_local_server(pipeline=cfg.name, quick=cfg.quick, config=args.config, port=args.port,
-                                    keep=args.keep, overrides=overrides)
+        from flows.server import Terminated, run_with_local_server
+        from vpo.pipeline.errors import EXIT_INTERRUPTED
+
+        try:
+            run_with_local_server(pipeline=cfg.name, quick=cfg.quick, config=args.config, port=args.port,
+                                  keep=args.keep, overrides=overrides)
+        except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM/SIGHUP (Terminated): the server is stopped
+            why = str(exc) if isinstance(exc, Terminated) else "interrupted"
+            print(f"[vpo] {why}; the local Prefect server and the running stage were stopped; "
+                  f"{_resume_hint(None)}", file=sys.stderr)
+            return 128 + exc.signum if isinstance(exc, Terminated) else EXIT_INTERRUPTED
     elif args.cmd == "serve":
         flows.serve(pipeline=cfg.name, quick=cfg.quick, config=args.config, cron=args.cron, name=args.name,
                     overrides=overrides)

@@ -368,6 +368,20 @@ class TrainerConfig(_Strict):
     accelerate_config: str | None = Field(
         default=None, description="accelerate config file: the train stage runs under `accelerate launch`"
     )
+    push_to_hub: bool = Field(
+        default=False, description="upload each run's final model to the Hugging Face Hub after registration"
+    )
+    hub_model_id: str | None = Field(
+        default=None, description="Hub repo id prefix (namespace/name): a run goes to <hub_model_id>-<arm>-s<seed>"
+    )
+    hub_private_repo: bool = Field(default=True, description="create the Hub repos private")
+
+    @field_validator("hub_model_id")
+    @classmethod
+    def _check_hub_id(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", value):
+            raise ValueError(f"hub_model_id {value!r} is not a Hub repo id (namespace/name)")
+        return value
 
     @field_validator("accelerate_config")
     @classmethod
@@ -384,6 +398,8 @@ class TrainerConfig(_Strict):
             raise ValueError("vllm_mode 'server' needs vllm_server_base_url")
         if self.vllm_server_base_url and not (self.use_vllm and self.vllm_mode == "server"):
             raise ValueError("vllm_server_base_url is used only with use_vllm: true and vllm_mode: server")
+        if self.push_to_hub and not self.hub_model_id:
+            raise ValueError("push_to_hub needs hub_model_id (namespace/name)")
         return self
 
 

@@ -55,6 +55,10 @@ class StageContext:
         """The task, built on first use."""
         return build_task(self.cfg)
 
+    def outcome(self, text: str) -> None:
+        """What the stage produced, in a few words: shown on its ``done`` line (one line per stage end)."""
+        self.notes["outcome"] = text
+
     def invalidate_record(self) -> None:
         """Drop the record of this step's current output before writing into it piecemeal, so a
         crash half-way leaves the output marked stale (outputs swapped whole need not call this)."""

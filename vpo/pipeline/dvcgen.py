@@ -3,8 +3,11 @@
 ``vpo dvc`` rewrites both files; ``vpo dvc --check`` exits 1 when a committed one differs from what
 ``pipelines.yaml`` and :mod:`vpo.pipeline.graph` imply (a test runs the same check).
 
-* ``params.yaml`` holds the fully resolved settings of each DVC-managed variant (``route``,
-  ``route-quick``: the ``quick:`` preset merged, arms keyed by name). DVC stages read their settings
+* Only the *declared* variants are in both files (:data:`DEFAULT_VARIANTS`: ``route-quick``; ``vpo dvc
+  --add route`` declares the full main job): DVC reports on what is in use, never on dozens of stages
+  of a variant nobody runs through it (``vpo run`` runs any variant without DVC).
+* ``params.yaml`` holds the fully resolved settings of each declared variant (the ``quick:`` preset
+  merged, arms keyed by name). DVC stages read their settings
   from it, so ``dvc exp run -S route-quick.trainer.max_steps=8`` changes a run without rewriting the
   commented ``pipelines.yaml``; ``generated_from`` records which ``pipelines.yaml`` settings it was made
   from, and a stage refuses to run from a stale file.
@@ -41,10 +44,14 @@ from vpo.pipeline.graph import Step, plan
 from vpo.pipeline.layout import RunLayout, arm_runs
 from vpo.pipeline.state import CODE_ROOT
 
-__all__ = ["DVC_PIPELINES", "LAUNCHER", "dvc_yaml_text", "generate", "main", "params_yaml_text", "variants"]
+__all__ = ["DEFAULT_VARIANTS", "LAUNCHER", "declared_variants", "dvc_yaml_text", "generate", "main",
+           "params_yaml_text", "variants"]
 
-DVC_PIPELINES: tuple[str, ...] = ("route",)
-"""Pipelines whose stages DVC manages (the embedded CPU default). Others run through ``vpo stage``."""
+DEFAULT_VARIANTS: tuple[str, ...] = ("route-quick",)
+"""The variants a fresh ``dvc.yaml`` declares: the embedded default's quick preset, which ``make quick``,
+CI and the flow tests run. ``vpo dvc --add route`` declares the full main job too, ``--remove`` drops
+one: ``dvc.yaml`` declares what is in use, so ``dvc status``, ``dvc metrics show`` and ``dvc exp show``
+speak only of it. The choice is kept in ``params.yaml`` (its ``generated_from`` keys)."""
 
 LAUNCHER = "bin/vpo"
 """The command dvc.yaml runs: a shell launcher that finds the project's Python without ``PATH``."""
@@ -64,13 +71,13 @@ _DVC_HEADER = """\
 # GENERATED from pipelines.yaml by `vpo dvc` -- edit pipelines.yaml, then regenerate (a test fails
 # when this file is stale). Settings come from params.yaml (also generated).
 #
-# The DVC stage graph of the embedded default pipeline `route` and its quick preset. Every command
-# is the `vpo stage` CLI through bin/vpo, so `dvc repro` works offline without Prefect and without an
-# activated virtualenv; the Prefect flow runs the same stages with `dvc repro --single-item`. Reproduce:
+# The DVC stage graph of the declared variants of the embedded default pipeline `route` (`vpo dvc
+# --add route` declares the full main job beside the quick preset). Every command is the `vpo stage`
+# CLI through bin/vpo, so `dvc repro` works offline without Prefect and without an activated
+# virtualenv; the Prefect flow runs the same stages with `dvc repro --single-item`. Reproduce:
 #   dvc repro route-quick-evaluate     # quick preset (minutes on a CPU)
-#   dvc repro route-evaluate           # the main job's stages
 #   dvc exp run -S route-quick.trainer.max_steps=8 route-quick-evaluate    # an experiment
-#   dvc metrics show; dvc plots show
+#   dvc metrics show; dvc plots show   # plots render offline (.dvc/plots/offline.html)
 """
 _PARAMS_HEADER = """\
 # GENERATED from pipelines.yaml by `vpo dvc`: the resolved settings of each DVC-managed variant
@@ -80,15 +87,34 @@ _PARAMS_HEADER = """\
 """
 
 
-def variants(config: str | Path = DEFAULT_PATH, pipelines: Sequence[str] = DVC_PIPELINES) -> list[PipelineConfig]:
-    """The DVC-managed variants: each pipeline, and its quick preset when it has one."""
+def declared_variants(config: str | Path = DEFAULT_PATH) -> list[str]:
+    """The variants the ``params.yaml`` beside ``config`` was generated for (what ``dvc.yaml`` declares),
+    else :data:`DEFAULT_VARIANTS`."""
+    path = Path(config).resolve().parent / PARAMS_FILE
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError):
+        return list(DEFAULT_VARIANTS)
+    names = list((data.get("generated_from") or {}) if isinstance(data, dict) else [])
+    return names or list(DEFAULT_VARIANTS)
+
+
+def variants(config: str | Path = DEFAULT_PATH, names: Sequence[str] | None = None) -> list[PipelineConfig]:
+    """The loaded configs of the variants ``names`` (default: :func:`declared_variants`), in the order
+    of ``pipelines.yaml`` (full before quick). An unknown variant is a ValueError listing the known ones."""
+    from vpo.pipeline.names import variant_name
+
+    wanted = list(declared_variants(config) if names is None else names)
     raw = yaml.safe_load(Path(config).read_text(encoding="utf-8"))
-    out = []
-    for name in pipelines:
-        out.append(load_pipeline(name, config))
-        if (raw["pipelines"][name] or {}).get("quick") is not None:
-            out.append(load_pipeline(name, config, quick=True))
-    return out
+    known = {}
+    for name, body in (raw.get("pipelines") or {}).items():
+        known[variant_name(name, False)] = (name, False)
+        if (body or {}).get("quick") is not None:
+            known[variant_name(name, True)] = (name, True)
+    unknown = [v for v in wanted if v not in known]
+    if unknown:
+        raise ValueError(f"unknown variant(s) {', '.join(unknown)}; variants of {config}: {', '.join(known)}")
+    return [load_pipeline(known[v][0], config, quick=known[v][1]) for v in known if v in wanted]
 
 
 def _code_deps(cfg: PipelineConfig, step: Step) -> list[str]:
@@ -153,7 +179,7 @@ def _variant(cfg: PipelineConfig) -> tuple[dict[str, Any], list[Any], list[Any]]
     ]
     plots.append(layout.eval_plot.as_posix())
     plots += [
-        {f"{v}-train-{pid}": {"x": "step",
+        {f"{v}-train-{pid}": {"template": "runs", "x": "step",
                               "y": {(layout.arm_live(r.rid) / "plots" / "metrics" / tsv).as_posix(): field
                                     for r in arm_runs(cfg)},
                               "title": f"{v}: training {pid.replace('-', ' ')}"}}
@@ -162,12 +188,12 @@ def _variant(cfg: PipelineConfig) -> tuple[dict[str, Any], list[Any], list[Any]]
     return stages, metrics, plots
 
 
-def generate(config: str | Path = DEFAULT_PATH, pipelines: Sequence[str] = DVC_PIPELINES) -> dict[str, Any]:
-    """The dvc.yaml mapping for ``pipelines`` (full and quick variants) of the ``config`` file."""
+def generate(config: str | Path = DEFAULT_PATH, names: Sequence[str] | None = None) -> dict[str, Any]:
+    """The dvc.yaml mapping for the variants ``names`` (default: the declared ones) of ``config``."""
     stages: dict[str, Any] = {}
     metrics: list[Any] = []
     plots: list[Any] = []
-    for cfg in variants(config, pipelines):
+    for cfg in variants(config, names):
         s, m, p = _variant(cfg)
         stages.update(s)
         metrics += m
@@ -175,15 +201,15 @@ def generate(config: str | Path = DEFAULT_PATH, pipelines: Sequence[str] = DVC_P
     return {"stages": stages, "metrics": metrics, "plots": plots}
 
 
-def dvc_yaml_text(config: str | Path = DEFAULT_PATH, pipelines: Sequence[str] = DVC_PIPELINES) -> str:
+def dvc_yaml_text(config: str | Path = DEFAULT_PATH, names: Sequence[str] | None = None) -> str:
     """``dvc.yaml`` as text: the header comment plus :func:`generate` as block YAML."""
-    body = yaml.safe_dump(generate(config, pipelines), sort_keys=False, default_flow_style=False, width=120)
+    body = yaml.safe_dump(generate(config, names), sort_keys=False, default_flow_style=False, width=120)
     return _DVC_HEADER + body
 
 
-def params_yaml_text(config: str | Path = DEFAULT_PATH, pipelines: Sequence[str] = DVC_PIPELINES) -> str:
-    """``params.yaml`` as text: each variant's resolved settings and where they came from."""
-    entries = {cfg.variant: variant_settings(cfg) for cfg in variants(config, pipelines)}
+def params_yaml_text(config: str | Path = DEFAULT_PATH, names: Sequence[str] | None = None) -> str:
+    """``params.yaml`` as text: each declared variant's resolved settings and where they came from."""
+    entries = {cfg.variant: variant_settings(cfg) for cfg in variants(config, names)}
     data = {"generated_from": {v: settings_digest(e) for v, e in entries.items()}, **entries}
     return _PARAMS_HEADER + yaml.safe_dump(data, sort_keys=False, default_flow_style=False, width=120)
 
@@ -193,9 +219,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="vpo dvc", description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=DEFAULT_PATH, help="pipelines.yaml to read")
     ap.add_argument("--check", action="store_true", help="exit 1 if a file differs instead of writing it")
+    ap.add_argument("--add", action="append", default=[], metavar="VARIANT",
+                    help="declare this variant too (e.g. route: the full main job)")
+    ap.add_argument("--remove", action="append", default=[], metavar="VARIANT", help="stop declaring this variant")
     args = ap.parse_args(argv)
     folder = Path(args.config).resolve().parent
-    files = {folder / "dvc.yaml": dvc_yaml_text(args.config), folder / PARAMS_FILE: params_yaml_text(args.config)}
+    names = [v for v in declared_variants(args.config) if v not in args.remove]
+    names += [v for v in args.add if v not in names]
+    if not names:
+        print("error: no variant left to declare", file=sys.stderr)
+        return 2
+    try:
+        files = {folder / "dvc.yaml": dvc_yaml_text(args.config, names),
+                 folder / PARAMS_FILE: params_yaml_text(args.config, names)}
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     stale = []
     for path, text in files.items():
         current = path.read_text(encoding="utf-8") if path.is_file() else ""
@@ -210,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"stale: {', '.join(map(str, stale))}; run `vpo dvc` and commit them", file=sys.stderr)
         return 1
     if args.check:
-        print("dvc.yaml and params.yaml are up to date")
+        print(f"dvc.yaml and params.yaml are up to date (variants: {', '.join(names)})")
     return 0
 
 

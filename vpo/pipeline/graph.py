@@ -63,7 +63,7 @@ STAGES: tuple[Stage, ...] = (
           train.run, inputs=("data", "rewards", "base"), params=("task", "trainer", "arm"),
           code=("vpo/pipeline/settings.py", "vpo/pipeline/checkpoints.py", "vpo/trainer.py", "vpo/advantages.py",
                 "vpo/metrics.py"),
-          per_run=True, volatile=("progress.json", "live", "metrics.json", "history.json"), scratch=("trainer",)),
+          per_run=True, volatile=("progress.json", "live", "tensorboard", "metrics.json", "history.json"), scratch=("trainer",)),
     Stage("evaluate", "best@k, pass@k, E_w[best@k], diversity of the base and every arm run",
           evaluate.run, inputs=("data", "base", "train"),
           params=("task", "arms", "trainer.max_completion_length", "evaluation"),

@@ -7,13 +7,14 @@ folder is ``<storage.runs_dir>/<variant>/``::
     rewards/     reference.parquet, validation.json                     stage rewards
     base/        model + tokenizer files, summary.json                  stage base
     arms/<arm>-s<seed>/                                                  stage train, one folder per run
-                 model/, metrics.json, history.json, live/, progress.json,
+                 model/, metrics.json, history.json, live/, tensorboard/, progress.json,
                  trainer/ (resume checkpoints; deleted once the run is finished)
     eval/        metrics.json, summary.json, curves.json, table.md,    stage evaluate
                  best_at_k.png, vectors/<run id>.npy
     search/      table.md, curves.json, ... , checkpoints/ (resume)    stage search
     registry.json                                                        stage register
-    logs/                                                                log files (.lock, .locks/: vpo.pipeline.locking)
+    logs/        <time>-<command>.log: the full log of each `vpo run` / `vpo stage`
+    .lock, .locks/                                                       vpo.pipeline.locking
 
 Every stage output folder also holds ``stage.json``: the record of the settings, code and inputs
 that produced it (:mod:`vpo.pipeline.state`). Paths are absolute for a loaded config
@@ -120,6 +121,10 @@ class RunLayout:
         """DVCLive's folder of the run (training curves for ``dvc plots``)."""
         return self.arm(rid) / "live"
 
+    def arm_tensorboard(self, rid: str) -> Path:
+        """TensorBoard event files of the run (``trainer.report_to: [tensorboard]``)."""
+        return self.arm(rid) / "tensorboard"
+
     def arm_trainer(self, rid: str) -> Path:
         """The HF Trainer's output folder: resume checkpoints while the run trains."""
         return self.arm(rid) / "trainer"
@@ -182,6 +187,11 @@ class RunLayout:
     @property
     def logs(self) -> Path:
         return self.root / "logs"
+
+    def log_file(self, command: str, stamp: str) -> Path:
+        """The full log of one ``vpo`` command (``<stamp>-run.log``, ``<stamp>-stage-train@vpo-s0.log``):
+        everything the console shows plus library logging, warnings and every training log record."""
+        return self.logs / f"{stamp}-{command}.log"
 
     def outputs(self, stage: str, rid: str | None = None) -> list[Path]:
         """The paths a stage produces (its DVC outs); ``rid`` for the per-run train stage."""

@@ -17,7 +17,7 @@ from typing import Any
 
 from vpo.atomic import remove_stale_temps, remove_temps_in
 from vpo.pipeline.config import PipelineConfig
-from vpo.pipeline.console import log
+from vpo.pipeline.console import log, stage_done, stage_started
 from vpo.pipeline.context import StageContext
 from vpo.pipeline.errors import StageError
 from vpo.pipeline.graph import Step, plan, stage
@@ -115,7 +115,9 @@ def run_step(cfg: PipelineConfig, step: Step, *, layout: RunLayout | None = None
             log(f"{step.label}: up to date")
             return dict(state["summary"]) if state else {}
         verb = "retraining" if step.stage.per_run and out.exists() else "running"
-        log(f"{step.label}: {'forced' if reason is None else reason}; {verb}")
+        stage_started(step.label, "forced" if reason is None else reason, verb)
+    else:
+        stage_started(step.label, "runs every time")
     for path in layout.outputs(step.stage.name, step.rid):  # temps a killed run of this step left
         remove_stale_temps(path, older_than_s=0.0)
         if path.is_dir():
@@ -123,8 +125,9 @@ def run_step(cfg: PipelineConfig, step: Step, *, layout: RunLayout | None = None
     if step.stage.name in ("train", "evaluate", "search"):
         check_hardware(cfg)  # a GPU setting the machine cannot honour: one clear error before any work
     t0 = time.time()
+    ctx = StageContext(cfg, layout, step.stage.name, step.run, fp, progress=progress)
     try:
-        summary = step.stage.run(StageContext(cfg, layout, step.stage.name, step.run, fp, progress=progress))
+        summary = step.stage.run(ctx)
         if state_path is not None:
             _record(step, layout, fp, summary)
     except (OSError, RuntimeError) as exc:
@@ -134,7 +137,7 @@ def run_step(cfg: PipelineConfig, step: Step, *, layout: RunLayout | None = None
         raise StageError(f"{step.label}: the disk holding {out} is full ({exc.__class__.__name__}: "
                          f"{str(exc).splitlines()[0][:160]}); free space and run the stage again"
                          + (" (it resumes from the last intact checkpoint)" if step.stage.per_run else "")) from None
-    log(f"{step.label}: done in {time.time() - t0:.0f} s")
+    stage_done(step.label, time.time() - t0, ctx.notes.get("outcome"))
     return summary
 
 

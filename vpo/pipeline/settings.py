@@ -40,6 +40,10 @@ DERIVED: dict[str, str] = {
     "trainer.report_to": "'dvclive' logs to the run's live/ folder (our callback, one folder per run); the "
                          "others go to VPOConfig.report_to",
     "trainer.accelerate_config": "the train stage re-runs itself under `accelerate launch --config_file`",
+    "trainer.push_to_hub": "the register stage uploads each run's final model to the Hub (vpo.pipeline.hub) when a "
+                           "Hugging Face token is available, and says it skipped when none is",
+    "trainer.hub_model_id": "the Hub repo of a run: <hub_model_id>-<arm>-s<seed>",
+    "trainer.hub_private_repo": "whether the register stage creates those Hub repos private",
     "arms.name": "the run id <name>-s<seed> and the run folder",
     "arms.seeds": "one run per seed: VPOConfig.seed and data_seed",
     "arms.enabled": "disabled arms are not trained, evaluated or registered",

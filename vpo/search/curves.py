@@ -113,11 +113,16 @@ def plot_curves(
         (1, 0, "iterations", "mean_best_by_iteration", "mean best score (w*·r)"),
         (1, 1, "candidates", "mean_best_by_candidates", "mean best score (w*·r)"),
     ]
+    from vpo.plots import coinciding_note
+
     for r, c, x, y, ylabel in panels:
         ax = axes[r][c]
         for arm, cv in curves.items():
             label = f"{arm} ({cv['final_solved']}/{cv['n_problems']})" if r == 0 else arm
             ax.step(cv[x], cv[y], where="post", label=label)
+        note = coinciding_note({arm: list(cv[x]) + list(cv[y]) for arm, cv in curves.items()})
+        if note:  # identical step curves hide each other: say which
+            ax.text(0.01, 0.99, note, transform=ax.transAxes, fontsize=7, color="0.3", va="top", wrap=True)
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         if r == 1:

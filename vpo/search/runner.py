@@ -55,9 +55,11 @@ def run_arms(
     db_options: Mapping[str, Any] | None = None,
     initial_programs: Callable[[Mapping[str, Any]], Sequence[str]] | None = None,
     title: str | None = None,
+    on_arm_done: Callable[[str, Sequence[SearchResult]], None] | None = None,
 ) -> dict[str, Any]:
     """Search ``rows`` with every proposer (plus best-of-k baselines); write and return
-    ``{"results", "curves", "comparison", "paths"}`` (see the module doc)."""
+    ``{"results", "curves", "comparison", "paths"}`` (see the module doc). ``on_arm_done(arm, results)``
+    is called after each arm's search and each baseline (progress display)."""
     out = Path(out_dir)
     ck_dir = out / "checkpoints"
     ck_dir.mkdir(parents=True, exist_ok=True)
@@ -86,6 +88,8 @@ def run_arms(
             db_options=db_options,
             initial_programs=initial_programs,
         )
+        if on_arm_done is not None:
+            on_arm_done(arm, results[arm])
         if baseline:
             name = arm + BASELINE_SUFFIX
             results[name] = run_best_of_k_batch(
@@ -100,6 +104,8 @@ def run_arms(
                 arm=name,
                 stop_when_solved=stop_when_solved,
             )
+            if on_arm_done is not None:
+                on_arm_done(name, results[name])
         close = getattr(proposer, "close", None)
         if callable(close):
             close()

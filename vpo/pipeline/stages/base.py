@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from vpo.atomic import atomic_dir, atomic_write_json
-from vpo.pipeline.console import log
+from vpo.pipeline.console import progress
 from vpo.pipeline.context import StageContext
 from vpo.pipeline.errors import StageError
 
@@ -72,7 +74,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     out = ctx.layout.base
     sft = cfg.sft
     m = max(a.num_answers for a in cfg.enabled_arms)
-    warm_up = {"lr": sft.lr, "seed": cfg.seed, "m": m, "progress": ctx.progress,
+    warm_up = {"lr": sft.lr, "seed": cfg.seed, "m": m, "progress": False,
                "lora": LoraSettings(r=sft.lora.r, alpha=sft.lora.alpha, dropout=sft.lora.dropout,
                                     target_modules=tuple(sft.lora.target_modules)) if sft.lora else None,
                "eval_rows": sft.parse_check.rows, "eval_samples": sft.parse_check.samples,
@@ -84,19 +86,39 @@ def run(ctx: StageContext) -> dict[str, Any]:
             from vpo.tiny import build_char_tokenizer
 
             check_tokenizer(build_char_tokenizer(task.charset), f"the tiny builder (task {cfg.task.name!r})")
-            train_sft(task, tmp, steps=sft.steps if sft.enabled else 0, batch_size=sft.batch_size,
-                      model_size=dict(cfg.model.builder_params) or None, **warm_up)
+            steps = sft.steps if sft.enabled else 0
+            with _sft_bar(ctx, steps) as on_step:
+                train_sft(task, tmp, steps=steps, batch_size=sft.batch_size,
+                          model_size=dict(cfg.model.builder_params) or None, on_step=on_step, **warm_up)
             source = "tiny"
         else:
             source = _pretrained(ctx, tmp)
             if sft.enabled and hasattr(task, "demonstration"):
-                train_sft(task, tmp, steps=sft.steps, batch_size=sft.batch_size, init_dir=tmp, **warm_up)
+                with _sft_bar(ctx, sft.steps) as on_step:
+                    train_sft(task, tmp, steps=sft.steps, batch_size=sft.batch_size, init_dir=tmp, on_step=on_step,
+                              **warm_up)
         info: dict[str, Any] = {"seconds": round(time.time() - t0, 1), "source": source}
         sft_metrics = tmp / "sft_metrics.json"
         if sft_metrics.is_file():  # written by train_sft a moment ago
             info["sft"] = json.loads(sft_metrics.read_text())
         atomic_write_json(tmp / ctx.layout.base_summary.name, info)
-    parse = _parse_line(info.get("sft") or {}) if (info.get("sft") or {}).get("parse_after") else ""
-    log(f"base: ready in {info['seconds']} s -> {out}" + (f" (warm-up parse rate {parse})" if parse else ""))
-    return {k: v for k, v in info.items() if k != "sft"} | {
-        "parse_after": (info.get("sft") or {}).get("parse_after")}
+    sft_info = info.get("sft") or {}
+    parse = _parse_line(sft_info) if sft_info.get("parse_after") else ""
+    ctx.outcome((f"SFT {sft_info['steps']} steps, final loss {sft_info['final_loss']:.3f}"
+                 if sft_info.get("steps") else f"{info['source']}, no SFT")
+                + (f"; warm-up parse rate {parse}" if parse else ""))
+    return {k: v for k, v in info.items() if k != "sft"} | {"parse_after": sft_info.get("parse_after")}
+
+
+@contextmanager
+def _sft_bar(ctx: StageContext, steps: int) -> Iterator[Callable[[int, float], None] | None]:
+    """The SFT progress bar (loss beside the count), or no callback when bars are off."""
+    if not ctx.progress or steps <= 0:
+        yield None
+        return
+    with progress("base: sft", steps) as bar:
+        def on_step(step: int, loss: float) -> None:
+            bar.numbers({"loss": loss})
+            bar.update(to=step)
+
+        yield on_step

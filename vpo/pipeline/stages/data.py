@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 
 from vpo.atomic import atomic_dir, atomic_write_json
-from vpo.pipeline.console import log
 from vpo.pipeline.context import StageContext
 from vpo.pipeline.errors import StageError
 
@@ -77,5 +76,5 @@ def run(ctx: StageContext) -> dict[str, Any]:
             part = df[df["split"] == split].drop(columns=[ds.tests_column] if ds.tests_column else [])
             part.reset_index(drop=True).to_parquet(tmp / ctx.layout.data_file(split).name, index=False)
         atomic_write_json(tmp / "validation.json", info)
-    log(f"data: {info['rows']} rows validated -> {out}")
+    ctx.outcome(", ".join(f"{n} {s}" for s, n in info["rows"].items()) + " rows validated")
     return info

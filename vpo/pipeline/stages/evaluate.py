@@ -22,7 +22,8 @@ import numpy as np
 from vpo.atomic import atomic_dir, atomic_write_bytes, atomic_write_json, atomic_write_text
 from vpo.pipeline.checkpoints import check_model_dir
 from vpo.pipeline.config import PipelineConfig
-from vpo.pipeline.console import log
+from vpo.pipeline.console import progress
+from vpo.pipeline.console import table as table_out
 from vpo.pipeline.context import StageContext
 from vpo.pipeline.inputs import load_rows, stage_command
 from vpo.pipeline.layout import RunLayout, arm_runs
@@ -148,25 +149,33 @@ def _plot(agg: Mapping[str, Any], ks: Sequence[int], path: Path, title: str,
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from vpo.plots import coinciding_note, k_axis, y_range
+
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     for ax, key, label in zip(axes, ("best_at_k", "expected_weighted_best_at_k", "pass_at_k"),
                               ("best@k (mean scalar w*)", "E_w[best@k], w ~ Dir(1)", "pass@k")):
+        drawn: dict[str, list[float]] = {}
         for arm, e in agg.items():
             xs = [k for k in ks if str(k) in e[key]]
             ys = np.array([e[key][str(k)]["mean"] for k in xs])
             lo = np.array([e[key][str(k)]["min"] for k in xs])
             hi = np.array([e[key][str(k)]["max"] for k in xs])
             style = "--" if arm.startswith("base") else "-"
+            drawn[arm] = list(ys)
             (line,) = ax.plot(xs, ys, style, marker="o", label=f"{arm} (n={len(e['runs'])})")
             if len(e["runs"]) > 1:
                 ax.fill_between(xs, lo, hi, alpha=0.15, color=line.get_color())
         if oracle and key == "best_at_k":
             ax.plot(list(ks), [oracle["prompt_only_best_at_k"][str(k)] for k in ks], ":", color="0.4",
                     label="oracle, prompt only")
-        ax.set_xscale("log")
-        ax.set_xticks(list(ks))
-        ax.set_xticklabels([str(k) for k in ks])
-        ax.set_xlabel("k (candidates)")
+        k_axis(ax, ks)
+        shown = [v for ys in drawn.values() for v in ys]
+        if oracle and key == "best_at_k":
+            shown += [oracle["prompt_only_best_at_k"][str(k)] for k in ks]
+        ax.set_ylim(*y_range(shown))
+        note = coinciding_note(drawn)
+        if note:  # a line under an identical one would be invisible: say so
+            ax.text(0.01, 0.01, note, transform=ax.transAxes, fontsize=7, color="0.3", va="bottom", wrap=True)
         ax.set_title(label)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
@@ -195,8 +204,6 @@ def _save_npy(path: Path, array: np.ndarray) -> None:
 
 def run(ctx: StageContext) -> dict[str, Any]:
     """Sample, score and aggregate every policy; write ``eval/``."""
-    from tqdm.auto import tqdm
-
     from vpo.evaluate import evaluate_policy
 
     cfg, layout, task = ctx.cfg, ctx.layout, ctx.task
@@ -213,7 +220,10 @@ def run(ctx: StageContext) -> dict[str, Any]:
         check_model_dir(p.model_dir, f"policy {p.rid}", fix)
     with atomic_dir(layout.eval) as tmp:  # the old eval/ stays whole until every file of the new one is written
         (tmp / "vectors").mkdir()
-        for p in tqdm(todo, desc="evaluate", unit="policy", disable=not ctx.progress):
+        bar = progress("evaluate", len(todo), unit="policies") if ctx.progress else None
+        for p in todo:
+            if bar is not None:
+                bar.numbers(note=p.rid)
             t0 = time.time()
             res, vectors = evaluate_policy(task, str(p.model_dir), rows, m=p.m, n_samples=ev.n_samples, ks=ev.k,
                                            temperature=ev.temperature, max_new_tokens=p.max_new_tokens, seed=ev.seed,
@@ -223,6 +233,11 @@ def run(ctx: StageContext) -> dict[str, Any]:
             _save_npy(tmp / "vectors" / layout.eval_vectors(p.rid).name, vectors)
             per_run[p.rid] = res
             groups.setdefault(p.arm, []).append(p.rid)
+            if bar is not None:
+                bar.update()
+        if bar is not None:
+            bar.numbers(note="")
+            bar.close()
         # a run "collapsed to one strategy" when its reward-space diversity fell below a tenth of the
         # base model's (absolute 0.1 without a base evaluation)
         base_div = [r["reward_diversity"] for rid, r in per_run.items() if rid.startswith("base")]
@@ -243,5 +258,6 @@ def run(ctx: StageContext) -> dict[str, Any]:
         atomic_write_text(tmp / layout.eval_table.name, table)
         _plot(agg, ks, tmp / layout.eval_plot.name, f"{cfg.variant}: held-out {ev.split}, {len(rows)} problems",
               oracle)
-    log("evaluate: table\n" + table)
+    table_out(table)
+    ctx.outcome(f"{len(todo)} policies on {len(rows)} problems -> {layout.eval_table.name}, {layout.eval_plot.name}")
     return {"n_problems": len(rows), "arms": {a: {"runs": e["runs"]} for a, e in agg.items()}}

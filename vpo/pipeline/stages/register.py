@@ -14,10 +14,12 @@ from typing import Any
 
 from vpo.atomic import atomic_write_json
 from vpo.pipeline.checkpoints import check_model_dir
-from vpo.pipeline.console import log
+from vpo.pipeline.console import detail
 from vpo.pipeline.context import StageContext
+from vpo.pipeline.hub import push_runs
 from vpo.pipeline.inputs import read_json, stage_command
 from vpo.pipeline.layout import arm_runs
+from vpo.pipeline.storage import redact
 
 __all__ = ["repo_root", "run"]
 
@@ -59,7 +61,10 @@ def run(ctx: StageContext) -> dict[str, Any]:
                                   "pipeline": cfg.name, "quick": cfg.quick, "task": cfg.task.name},
                          base_hash=base_hash, repo_dir=repo_root(cfg.base_dir))
         entries.append(_entry_dict(entry))
-        log(f"register: {r.rid} -> {entries[-1].get('hash', '?')[:12]}")
+        detail(f"register: {r.rid} -> {entries[-1].get('hash', '?')}")
     info = {"registry": url, "entries": entries}
     atomic_write_json(layout.registry_json, info)
+    push_runs(cfg, layout, arm_runs(cfg), [str(e.get("hash", "")) for e in entries])
+    ctx.outcome(f"{len(entries)} checkpoints in {redact(url)}: "
+                + ", ".join(f"{r.rid} {e.get('hash', '?')[:12]}" for r, e in zip(arm_runs(cfg), entries)))
     return {"registry": url, "entries": len(entries)}

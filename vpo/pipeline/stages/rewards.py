@@ -14,7 +14,6 @@ from typing import Any
 import numpy as np
 
 from vpo.atomic import atomic_dir, atomic_write_json
-from vpo.pipeline.console import log
 from vpo.pipeline.context import StageContext
 from vpo.pipeline.inputs import load_rows
 
@@ -59,5 +58,5 @@ def run(ctx: StageContext) -> dict[str, Any]:
     with atomic_dir(out) as tmp:
         df.to_parquet(tmp / ctx.layout.rewards_file.name, index=False)
         atomic_write_json(tmp / "validation.json", info)
-    log(f"rewards: {info['answers']} reference answers over {info['problems']} problems validated")
+    ctx.outcome(f"{info['answers']} reference answers over {info['problems']} problems validated")
     return info

@@ -20,7 +20,8 @@ import numpy as np
 
 from vpo.atomic import atomic_write_json, atomic_write_text
 from vpo.pipeline.config import PipelineConfig
-from vpo.pipeline.console import log
+from vpo.pipeline.console import log, progress
+from vpo.pipeline.console import table as table_out
 from vpo.pipeline.context import StageContext
 from vpo.pipeline.errors import StageError
 from vpo.pipeline.inputs import load_rows, read_json, read_npy, stage_command
@@ -95,22 +96,42 @@ def run(ctx: StageContext) -> dict[str, Any]:
                                                   backend="vllm" if cfg.evaluation.use_vllm else "transformers")
     m_of = {arm.name: arm.num_answers for arm in cfg.enabled_arms}
     _fresh_checkpoints(ctx, layout.search_checkpoints)
+    bar = progress("search", len(proposers) * (2 if sc.baseline else 1), unit="runs") if ctx.progress else None
+
+    def arm_done(arm: str, results: Sequence[Any]) -> None:
+        if bar is not None:
+            bar.numbers(note=f"{arm}: solved {sum(bool(r.solved) for r in results)}/{len(results)}")
+            bar.update()
+
     result = run_arms(task, selected, proposers, out, iterations=sc.iterations, m=m_of, budget=sc.budget,
                       seed=cfg.seed, baseline=sc.baseline, prompt_mode=sc.prompt_mode,
                       checkpoint_every=sc.checkpoint_every, stop_when_solved=sc.stop_when_solved,
-                      db_options=sc.database.model_dump(),
+                      db_options=sc.database.model_dump(), on_arm_done=arm_done,
                       title=f"{cfg.variant}: search on {len(selected)} held-out problems ({len(hard)} hardest first)")
+    if bar is not None:
+        bar.numbers(note="")
+        bar.close()
     info = {"problems": [str(r["id"]) for r in selected], "hardest_subset": hard, "k_max": k_max}
     atomic_write_json(out / "selection.json", info)
-    table = search_table(result["curves"], result["comparison"], hard, k_max)
+    vpo_arms = [a.name for a in cfg.enabled_arms if a.estimator == "vpo" and a.name in proposers]
+    table = search_table(result["curves"], result["comparison"], hard, k_max,
+                         reference=(vpo_arms or list(proposers))[0])
     atomic_write_text(layout.search_table, table)
-    log("search: table\n" + table)
+    table_out(table)
+    ctx.outcome(f"{len(selected)} problems x {len(proposers)} arms -> {layout.search_table.name}, "
+                f"{layout.search_plot.name}")
     return {**info, "solved": {arm: c["final_solved"] for arm, c in result["curves"].items()}}
 
 
-def search_table(curves: Mapping[str, Any], comparison: Mapping[str, Any], hard: Sequence[str], k_max: int) -> str:
+def search_table(curves: Mapping[str, Any], comparison: Mapping[str, Any], hard: Sequence[str], k_max: int,
+                 reference: str | None = None) -> str:
     """Markdown: problems solved and mean best score per search arm at the full budget (overall and
-    on the hardest subset), then, per pair of arms, the problems one solves and the other does not."""
+    on the hardest subset), then the problems one arm solves and the other does not, for the pairs
+    that answer a question: ``reference`` (the VPO arm) against each other arm, and each arm's search
+    against its own best-of-k. The table grows with the number of arms, not with its square; every
+    pair stays in ``comparison.json``."""
+    from vpo.search.runner import BASELINE_SUFFIX
+
     n = next(iter(curves.values()))["n_problems"]
     hard_set = set(hard)
     caption = (f"Search on {n} held-out problems, hardest first; the hardest subset is the {len(hard)} problems "
@@ -126,7 +147,13 @@ def search_table(curves: Mapping[str, Any], comparison: Mapping[str, Any], hard:
                      f"{c['candidates_used']} |")
     lines += ["", "| pair (a vs b) | solved by a only | by b only | both | neither |", "|---|---|---|---|---|"]
     for pair, d in comparison.items():
-        lines.append(f"| {pair} | {d['n_a_only']} | {d['n_b_only']} | {d['n_both']} | {d['n_neither']} |")
+        a, b = pair.split(" vs ", 1)
+        if reference is not None and reference not in (a, b) and b != a + BASELINE_SUFFIX:
+            continue
+        only_a, only_b = d["n_a_only"], d["n_b_only"]
+        if b == reference:  # the reference arm on the left in every row
+            a, b, only_a, only_b = b, a, only_b, only_a
+        lines.append(f"| {a} vs {b} | {only_a} | {only_b} | {d['n_both']} | {d['n_neither']} |")
     return "\n".join(lines) + "\n"
 
 

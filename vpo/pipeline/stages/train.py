@@ -16,20 +16,24 @@ the launched processes train and rank 0 writes the outputs.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from vpo.atomic import atomic_dir, atomic_write_json
 from vpo.pipeline.checkpoints import check_model_dir, checkpoint_step, latest_checkpoint
-from vpo.pipeline.console import log
+from vpo.pipeline.console import detail, format_numbers, log, progress
 from vpo.pipeline.context import StageContext
 from vpo.pipeline.errors import StageError
 from vpo.pipeline.inputs import load_rows, stage_command
@@ -37,7 +41,8 @@ from vpo.pipeline.settings import vpo_config_kwargs
 from vpo.pipeline.state import read_state, why_stale, write_state
 from vpo.rewards import VectorReward
 
-__all__ = ["CHILD_ENV", "ProgressFileCallback", "run"]
+__all__ = ["CHILD_ENV", "HEADLINE", "ConsoleProgressCallback", "HarmlessMissingKeysFilter", "ProgressFileCallback",
+           "headline", "run"]
 
 CHILD_ENV = "VPO_TRAIN_LAUNCHED"
 """Set in processes started by ``accelerate launch`` for this stage: they train, nothing else."""
@@ -45,9 +50,93 @@ CHILD_ENV = "VPO_TRAIN_LAUNCHED"
 REQUEST_FILE = "request.json"
 
 
+HEADLINE: tuple[tuple[str, str], ...] = (
+    ("reward", "vpo/scalar_best_in_set"),
+    ("E max", "vpo/expected_max"),
+    ("diversity", "vpo/reward_diversity"),
+    ("parse", "vpo/frac_unparsed"),
+    ("loss", "loss"),
+)
+"""The numbers a training run shows while it trains (console bar, Prefect progress artifact): the
+w*-scalar reward of the best answer in a rollout's set, VPO's expected max over Dirichlet weightings,
+reward diversity in the group, the parse rate (1 - ``vpo/frac_unparsed``) and the loss."""
+
+
+def headline(logs: Mapping[str, Any]) -> dict[str, float]:
+    """The :data:`HEADLINE` numbers present in one training log record."""
+    out = {}
+    for name, key in HEADLINE:
+        value = logs.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[name] = 1.0 - float(value) if key == "vpo/frac_unparsed" else float(value)
+    return out
+
+
+class ConsoleProgressCallback(TrainerCallback):
+    """The run's progress bar (steps and the :func:`headline` numbers) on the console; the full log
+    record of every logging step goes to the log file. Replaces the Trainer's own bar and printer,
+    which print a 40-key dict per logging step."""
+
+    def __init__(self, label: str, enabled: bool = True) -> None:
+        self.label, self.enabled = label, enabled
+        self.bar: Any = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if self.enabled and state.is_world_process_zero:
+            self.bar = progress(self.label, state.max_steps, initial=state.global_step)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if self.bar is not None:
+            self.bar.update(to=state.global_step)
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Mapping[str, Any] | None = None, **kw: Any) -> None:
+        if not state.is_world_process_zero or not logs:
+            return
+        detail(f"{self.label} step {state.global_step}: " + json.dumps(dict(logs), default=str))
+        numbers = headline(logs)
+        if self.bar is not None and numbers:
+            self.bar.numbers(numbers)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+class HarmlessMissingKeysFilter(logging.Filter):
+    """Drops the Trainer's "There were missing keys in the checkpoint model loaded" warning on resume
+    when it is harmless: every missing key is a weight tied to another one (``lm_head.weight`` tied to
+    the input embedding is stored once), and the tie still holds, so loading the embedding restored it.
+    Any other missing key, or a broken tie, still gets through."""
+
+    _MESSAGE = "There were missing keys in the checkpoint model loaded"
+
+    def __init__(self, model: Any) -> None:
+        super().__init__()
+        self.model = model
+
+    def harmless(self, missing: set[str]) -> bool:
+        """Whether loading a checkpoint without ``missing`` leaves the model whole."""
+        tied = set(getattr(self.model, "_tied_weights_keys", None) or ())
+        out, inp = self.model.get_output_embeddings(), self.model.get_input_embeddings()
+        return bool(missing) and missing <= tied and out is not None and inp is not None and out.weight is inp.weight
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        if not msg.startswith(self._MESSAGE):
+            return True
+        if self.harmless(set(re.findall(r"'([^']+)'", msg))):
+            detail(f"resume: {msg} -- tied to the input embedding, restored with it (harmless)")
+            return False
+        return True
+
+
 class ProgressFileCallback(TrainerCallback):
-    """Writes ``{"step", "max_steps", "last"}`` to a JSON file at every log: the orchestrator
-    (a separate process) reads it to publish progress artifacts."""
+    """Writes ``{"step", "max_steps", "last", "numbers", "rows"}`` to a JSON file at every log
+    (``numbers``: :func:`headline` of the newest record, ``rows``: ``[step, numbers]`` of the last
+    :attr:`ROWS` records): the orchestrator (a separate process) reads it to publish progress artifacts."""
+
+    ROWS = 12
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -60,8 +149,10 @@ class ProgressFileCallback(TrainerCallback):
             self.history.append({"step": state.global_step, **{k: v for k, v in logs.items()
                                                                if isinstance(v, (int, float))}})
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"step": state.global_step, "max_steps": state.max_steps,
-                                   "last": self.history[-1] if self.history else {}}))
+        last = self.history[-1] if self.history else {}
+        rows = [[rec["step"], headline(rec)] for rec in self.history if headline(rec)][-self.ROWS:]
+        tmp.write_text(json.dumps({"step": state.global_step, "max_steps": state.max_steps, "last": last,
+                                   "numbers": rows[-1][1] if rows else {}, "rows": rows}))
         os.replace(tmp, self.path)
 
 
@@ -195,6 +286,8 @@ def _publish(ctx: StageContext, save_model: Any, tok: Any, log_history: Sequence
                for rec in log_history]
     atomic_write_json(layout.arm_history(rid), history)
     atomic_write_json(layout.arm_metrics(rid), summary)
+    numbers = format_numbers(headline(summary["final"]))
+    ctx.outcome(f"{ctx.cfg.trainer.max_steps} steps" + (f"; last quarter: {numbers}" if numbers else ""))
     return summary
 
 
@@ -209,6 +302,24 @@ def _publish_checkpoint(ctx: StageContext, checkpoint: Path) -> dict[str, Any]:
     tok = AutoTokenizer.from_pretrained(str(ctx.layout.base))
     state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
     return _publish(ctx, model.save_pretrained, tok, state.log_history, 0.0, checkpoint.name)
+
+
+@contextmanager
+def _tracker_dirs(ctx: StageContext) -> Iterator[None]:
+    """Trackers that write files write them into the run folder, not into ``trainer/`` (resume state,
+    deleted once the run is recorded): TensorBoard's callback reads its folder when it is created."""
+    if "tensorboard" not in ctx.cfg.trainer.report_to:
+        yield
+        return
+    key, old = "TENSORBOARD_LOGGING_DIR", os.environ.get("TENSORBOARD_LOGGING_DIR")
+    os.environ[key] = str(ctx.layout.arm_tensorboard(ctx.arm_run.rid))
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
 
 
 def train(ctx: StageContext) -> dict[str, Any]:
@@ -232,7 +343,8 @@ def train(ctx: StageContext) -> dict[str, Any]:
     args = VPOConfig(**vpo_config_kwargs(cfg, run, trainer_dir, cuda=cuda, progress=ctx.progress))
     tok = AutoTokenizer.from_pretrained(str(layout.base))
     model = AutoModelForCausalLM.from_pretrained(str(layout.base))
-    callbacks: list[Any] = [ProgressFileCallback(layout.arm_progress(rid))]
+    callbacks: list[Any] = [ProgressFileCallback(layout.arm_progress(rid)),
+                            ConsoleProgressCallback(f"train@{rid}", enabled=ctx.progress)]
     if "dvclive" in cfg.trainer.report_to:
         from dvclive import Live
         from transformers.integrations import DVCLiveCallback
@@ -241,12 +353,21 @@ def train(ctx: StageContext) -> dict[str, Any]:
                                                    report=None)))
     dataset = _dataset(ctx, load_rows(cfg, "train", layout), tok)
     _check_prompt_lengths(ctx, tok, dataset)
-    trainer = VPOTrainer(model=model, reward=RowDecodingReward(ctx.task.reward), args=args, train_dataset=dataset,
-                         processing_class=tok, callbacks=callbacks)
+    with _tracker_dirs(ctx):
+        trainer = VPOTrainer(model=model, reward=RowDecodingReward(ctx.task.reward), args=args,
+                             train_dataset=dataset, processing_class=tok, callbacks=callbacks)
+    trainer.remove_callback(PrinterCallback)  # ConsoleProgressCallback shows the numbers that matter
+    trainer.remove_callback(ProgressCallback)
     if resume is not None:
         log(f"{rid}: resuming from {resume.name} (step {checkpoint_step(resume)} of {cfg.trainer.max_steps})")
     t0 = time.time()
-    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    trainer_log = logging.getLogger("transformers.trainer")
+    missing_keys = HarmlessMissingKeysFilter(trainer.model)
+    trainer_log.addFilter(missing_keys)
+    try:
+        trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    finally:
+        trainer_log.removeFilter(missing_keys)
     elapsed = time.time() - t0
     if not trainer.is_world_process_zero():
         return {}

@@ -1,0 +1,125 @@
+"""The console (vpo.pipeline.console): what a person reads while a pipeline runs, and the log file that
+keeps the rest; Ctrl-C during `vpo run` is one line saying how to resume."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+
+from vpo.pipeline import console
+
+ROOT = Path(__file__).resolve().parents[1]
+VPO = Path(sys.executable).with_name("vpo")
+
+
+def test_stage_lines_bars_and_numbers_without_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a terminal a bar prints its state as plain lines (at most every interval, and once at
+    the end) with the numbers set on it; stage lines are one each."""
+    out = io.StringIO()
+    monkeypatch.setattr(console, "_out", lambda: out)
+    monkeypatch.setattr(console, "PLAIN_BAR_INTERVAL_S", 0.0)
+    console.stage_started("train@vpo-s0", "not built yet")
+    with console.progress("train@vpo-s0", 3) as bar:
+        for step in (1, 2, 3):
+            bar.numbers({"reward": 0.25 * step, "parse": 0.9, "loss": None})
+            bar.update(to=step)
+    console.stage_done("train@vpo-s0", 2.4, "3 steps")
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "[vpo] train@vpo-s0: not built yet; running"
+    assert lines[-1] == "[vpo] train@vpo-s0: done in 2 s (3 steps)"
+    bar_lines = [ln for ln in lines if ln.startswith("train@vpo-s0: ")]
+    assert bar_lines[-1].startswith("train@vpo-s0: 3/3 step 100%") and "reward 0.750  parse 90%" in bar_lines[-1]
+    assert "loss" not in bar_lines[-1]  # a number without a value is not shown
+    assert 1 <= len(bar_lines) <= 3
+    assert console.current_stage() is None
+
+
+def test_session_sends_library_output_to_the_file_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside a session: [vpo] lines and prints reach the console and the file; library logging and
+    Python warnings reach the file only (and are counted); deferred tables reach the file only."""
+    out = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", out)
+    path = tmp_path / "logs" / "x-run.log"
+    with console.session(path, defer_tables=True):
+        console.log("data: done in 1 s")
+        print("a plain print")
+        logging.getLogger("transformers.trainer").warning("There were missing keys: ['lm_head.weight']")
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")  # pytest's own filters would record it instead
+            warnings.warn("some FutureWarning", FutureWarning, stacklevel=1)
+        console.table("| arm | best@1 |")
+        console.detail("train@vpo-s0 step 1: {'loss': 0.1}")
+        assert console.warning_count() == 2
+    shown = out.getvalue()
+    assert "[vpo] data: done in 1 s" in shown and "a plain print" in shown
+    for hidden in ("missing keys", "FutureWarning", "| arm |", "step 1:"):
+        assert hidden not in shown, hidden
+    text = path.read_text()
+    for kept in ("[vpo] data: done in 1 s", "a plain print", "missing keys", "some FutureWarning", "| arm |",
+                 "train@vpo-s0 step 1:"):
+        assert kept in text, kept
+    assert sys.stdout is out and console.log_file() is None  # everything restored
+
+
+def test_harmless_missing_keys_on_resume_are_silenced_only_while_the_tie_holds(tmp_path: Path) -> None:
+    """The Trainer's warning about `lm_head.weight` missing from a checkpoint is dropped when the head
+    is tied to the input embedding (loading the embedding restores it) and kept once the tie is broken."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from vpo.pipeline.stages.train import HarmlessMissingKeysFilter
+    from vpo.tiny import build_tiny_model
+
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "m", "abc", seed=0, hidden_size=16,
+                                                                  intermediate_size=32, num_hidden_layers=1,
+                                                                  num_attention_heads=2, num_key_value_heads=1))
+    filt = HarmlessMissingKeysFilter(model)
+    message = "There were missing keys in the checkpoint model loaded: ['lm_head.weight']."
+
+    def passes(msg: str) -> bool:
+        return filt.filter(logging.LogRecord("transformers.trainer", logging.WARNING, "", 0, msg, None, None))
+
+    assert not passes(message)
+    assert passes("There were missing keys in the checkpoint model loaded: ['model.norm.weight'].")
+    assert passes("something else")
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())  # untied
+    assert passes(message)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_ctrl_c_is_one_line_saying_how_to_resume(tmp_path: Path) -> None:
+    """SIGINT while `vpo run --quick` trains its base: exit 130, one `interrupted` line naming the stage
+    and the command to run again, no traceback; the log file is there."""
+    shutil.copy(ROOT / "pipelines.yaml", tmp_path / "pipelines.yaml")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([str(VPO), "run", "--quick", "--config", "pipelines.yaml"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    seen = []
+    deadline = time.monotonic() + 300
+    for line in proc.stdout:  # wait until the base stage (SFT, ~30 s) has started
+        seen.append(line)
+        if line.startswith("[vpo] base:") or time.monotonic() > deadline:
+            break
+    time.sleep(3)
+    proc.send_signal(signal.SIGINT)
+    rest, err = proc.communicate(timeout=120)
+    out = "".join(seen) + rest
+    assert proc.returncode == 130, out[-2000:] + err[-2000:]
+    assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err, err[-3000:]
+    line = [ln for ln in out.splitlines() if "interrupted" in ln]
+    expected = ("[vpo] interrupted during base; run `vpo run --quick --config pipelines.yaml` again to resume "
+                "(finished stages are kept, training resumes from its last checkpoint)")
+    assert line == [expected], out[-2000:]
+    assert list((tmp_path / "runs" / "route-quick" / "logs").glob("*-run.log"))
