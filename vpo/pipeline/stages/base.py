@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from vpo.atomic import atomic_dir, atomic_write_json
-from vpo.pipeline.console import progress
+from vpo.pipeline.console import log, progress
 from vpo.pipeline.context import StageContext
 from vpo.pipeline.errors import StageError
 
@@ -45,7 +45,8 @@ def _pretrained(ctx: StageContext, folder: Path) -> str:
         g = cfg.model.gguf
         path = cfg.resolve_path(g.path) if g.path else None
         name = f"{Path(g.file or str(path)).stem}-{cfg.model.dtype}"
-        cache = import_gguf(ctx.layout.model_cache(name), path, package=g.package, file=g.file, dtype=cfg.model.dtype)
+        cache = import_gguf(ctx.layout.model_cache(name), path, package=g.package, file=g.file, dtype=cfg.model.dtype,
+                            progress=False)
         check_tokenizer(AutoTokenizer.from_pretrained(str(cache)), f"GGUF model {name!r}")
         shutil.copytree(cache, folder, dirs_exist_ok=True)
         return f"gguf:{g.package + '/' if g.package else ''}{g.file or g.path}"
@@ -107,6 +108,12 @@ def run(ctx: StageContext) -> dict[str, Any]:
     ctx.outcome((f"SFT {sft_info['steps']} steps, final loss {sft_info['final_loss']:.3f}"
                  if sft_info.get("steps") else f"{info['source']}, no SFT")
                 + (f"; warm-up parse rate {parse}" if parse else ""))
+    after = sft_info.get("parse_after") or {}
+    low = {m: r["parse_rate"] for m, r in after.items() if r["parse_rate"] < cfg.trainer.min_parse_rate}
+    if low:
+        log(f"base: warning: after the warm-up the parse rate is {', '.join(f'{v:.0%} at m={m}' for m, v in low.items())}"
+            f" (below trainer.min_parse_rate {cfg.trainer.min_parse_rate:.0%}): unparsed rollouts score zero, so RL "
+            "learns little; raise sft.steps or sft.lr")
     return {k: v for k, v in info.items() if k != "sft"} | {"parse_after": sft_info.get("parse_after")}
 
 

@@ -371,6 +371,12 @@ def train(ctx: StageContext) -> dict[str, Any]:
     elapsed = time.time() - t0
     if not trainer.is_world_process_zero():
         return {}
+    if trainer.low_parse_steps:  # the per-step warnings went to the log file; one console line says it
+        worst_step, worst = min(trainer.low_parse_steps, key=lambda sr: sr[1])
+        log(f"{rid}: warning: {len(trainer.low_parse_steps)} of {cfg.trainer.max_steps} steps parsed fewer than "
+            f"{cfg.trainer.min_parse_rate:.0%} of rollouts into the {run.arm.num_answers}-answer format (lowest "
+            f"{worst:.0%} at step {worst_step}); unparsed rollouts score zero and teach nothing: warm the base up "
+            "longer (sft.steps) or raise max_completion_length")
     return _publish(ctx, trainer.save_model, tok, trainer.state.log_history, elapsed,
                     resume.name if resume else None)
 
