@@ -1,4 +1,4 @@
-"""VPO vs GRPO on the embedded route task over several RL seeds (issue 7's measurement).
+"""VPO vs GRPO on the embedded route task over several RL seeds.
 
 Runs the `route` pipeline's stages (data, rewards, base, train, evaluate) with the arms' seeds
 overridden, then prints the table of best@k and E_w[best@k] per arm (mean ± std over seeds),

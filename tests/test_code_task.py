@@ -247,7 +247,7 @@ def test_code_pipeline_entries_build_the_task(name: str) -> None:
             continue  # external datasets are not part of the checkout
         if cfg.model.builder is None:
             pytest.xfail(f"{name}: a hub-model pipeline on the 48 embedded problems (no task.params.source); "
-                         "see the code-qwen-coder entry proposed in issue 4")
+                         "see the code-qwen-coder pipeline in pipelines.yaml")
         task = get_task("code", **params)
         rows = task.load("train") + task.load("test")
         assert all(len(r["prompt"]) <= cfg.dataset.max_prompt_chars for r in rows)

@@ -7,7 +7,7 @@
   registry lineage, retries, secrets); test_dvc_pipeline.py reproduces a copy of its repository.
 * A failing great_expectations check (a code dataset whose test split repeats a train prompt) stops
   the flow at ``data`` without retrying, with a report naming the expectation and the rows.
-* Issue 6, object-store outage: the S3 server is stopped in the middle of ``dvc push`` (after the N-th
+* Object-store outage: the S3 server is stopped in the middle of ``dvc push`` (after the N-th
   object PUT); the push task retries with backoff and completes once the server is back, and only
   then are checkpoints registered, every entry's objects present. If the outage outlasts the
   retries, the flow fails and nothing is registered.
@@ -481,7 +481,7 @@ def test_failed_expectation_stops_the_flow_with_a_report(prefect_api: str, tmp_p
     assert "## Completed\n\n_nothing_" in failed and "`train@grpo-s0`" in failed and "`register`" in failed
 
 
-# --------------------------------------------------------------------------- issue 6: S3 outage during push
+# --------------------------------------------------------------------------- S3 outage during push
 
 
 @contextlib.contextmanager

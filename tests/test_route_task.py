@@ -224,7 +224,7 @@ def test_splits_disjoint_and_ids_unique() -> None:
 def test_no_fixed_route_is_legal_everywhere() -> None:
     # Default: walls may block the border corridors, so the answer must depend on the grid. With
     # interior walls only, the two border routes are legal on every problem (what trained policies
-    # then answered everywhere, README issue 7).
+    # then answered everywhere, README, "What the main job shows").
     border = ("RRRRRDDDDD", "DDDDDRRRRR")
     rows = RouteTask(n_train=0, n_test=100, seed=1).load("test")
     for route in border:

@@ -10,7 +10,7 @@ Walls (1 to 4 by default) may fall on any floor cell, the border corridors inclu
 to read the grid. With walls on interior cells only (``border_walls=False``) the two border routes
 ``RRRRRDDDDD`` and ``DDDDDRRRRR`` are always legal and collect a whole bonus region; trained
 policies then answer the same routes on every problem and search has nothing to choose from
-(README, issue 7).
+(README, "What the main job shows").
 
 Conflict by construction (VPO_SPEC section 3, Maze): the step budget is the length of the
 shortest route that collects all of A or all of B, whichever is longer, plus ``slack``; no
