@@ -177,3 +177,25 @@ def test_a_full_disk_is_one_clear_error(tmp_path: Path, error: BaseException) ->
 
     with pytest.raises(RuntimeError, match="a plain bug"):  # not every error is a full disk
         run_step(cfg, Step(replace(stage("data"), run=buggy)), progress=False)
+
+
+def test_adding_a_seed_leaves_the_existing_runs_up_to_date(tmp_path: Path) -> None:
+    """A run's request is its arm's settings and its own seed: another seed in the arm's list does not
+    make it stale, while a setting of that arm does."""
+    from vpo.pipeline.config import load_pipeline
+    from vpo.pipeline.graph import plan
+    from vpo.pipeline.runner import fingerprint
+
+    def train_fp(**arm: object) -> dict:
+        raw = yaml.safe_load((REPO / "pipelines.yaml").read_text(encoding="utf-8"))
+        raw["pipelines"]["route"]["storage"] = {"runs_dir": str(tmp_path / "runs"), "registry": str(tmp_path / "r")}
+        next(a for a in raw["pipelines"]["route"]["arms"] if a["name"] == "vpo").update(arm)
+        path = tmp_path / "pipelines.yaml"
+        path.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
+        cfg = load_pipeline("route", path)
+        step = next(s for s in plan(cfg) if s.label == "train@vpo-s0")
+        return fingerprint(cfg, step).params
+
+    one = train_fp(seeds=[0])
+    assert train_fp(seeds=[0, 1, 2]) == one
+    assert train_fp(seeds=[0], num_generations=4) != one

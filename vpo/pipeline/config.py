@@ -258,6 +258,10 @@ class SFTConfig(_Strict):
     parse_check: ParseCheckConfig = Field(default_factory=ParseCheckConfig)
 
 
+# arm keys that choose which runs exist, not what one run is: no run's record or DVC params hold them
+RUN_INDEPENDENT_ARM_KEYS = ("name", "seeds", "enabled")
+
+
 class ArmConfig(_Strict):
     """One estimator arm of the experiment; each (arm, seed) is one training run and checkpoint.
     Field names are :class:`vpo.trainer.VPOConfig`'s (see :mod:`vpo.pipeline.settings`)."""

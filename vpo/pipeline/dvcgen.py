@@ -35,6 +35,8 @@ import yaml
 from vpo.pipeline.config import (
     DEFAULT_PATH,
     PARAMS_FILE,
+    RUN_INDEPENDENT_ARM_KEYS,
+    ArmConfig,
     PipelineConfig,
     load_pipeline,
     settings_digest,
@@ -133,7 +135,11 @@ def _code_deps(cfg: PipelineConfig, step: Step) -> list[str]:
 def _params(cfg: PipelineConfig, step: Step) -> list[dict[str, list[str]]]:
     keys = []
     for key in step.stage.params:
-        keys.append(f"{cfg.variant}.arms.${{item.arm}}" if key == "arm" else f"{cfg.variant}.{key}")
+        if key == "arm":  # the arm's settings one by one, without those that only choose which runs exist
+            keys += [f"{cfg.variant}.arms.${{item.arm}}.{field}" for field in ArmConfig.model_fields
+                     if field not in RUN_INDEPENDENT_ARM_KEYS]
+        else:
+            keys.append(f"{cfg.variant}.{key}")
     return [{PARAMS_FILE: keys}]
 
 

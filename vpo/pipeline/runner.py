@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from vpo.atomic import remove_stale_temps, remove_temps_in
-from vpo.pipeline.config import PipelineConfig
+from vpo.pipeline.config import RUN_INDEPENDENT_ARM_KEYS, PipelineConfig
 from vpo.pipeline.console import log, stage_done, stage_started
 from vpo.pipeline.context import StageContext
 from vpo.pipeline.errors import StageError
@@ -48,8 +48,9 @@ def fingerprint(cfg: PipelineConfig, step: Step, layout: RunLayout | None = None
     settings = cfg.settings()
     params: dict[str, Any] = {}
     for key in step.stage.params:
-        if key == "arm":
-            params["arm"] = settings["arms"][step.run.arm.name] if step.run else None
+        if key == "arm":  # the run's own seed, not the arm's list: adding a seed leaves other runs valid
+            arm = settings["arms"][step.run.arm.name] if step.run else None
+            params["arm"] = {k: v for k, v in arm.items() if k not in RUN_INDEPENDENT_ARM_KEYS} if arm else None
             params["seed"] = step.run.seed if step.run else None
         else:
             params[key] = _dotted(settings, key)
