@@ -103,8 +103,12 @@ def test_ctrl_c_is_one_line_saying_how_to_resume(tmp_path: Path) -> None:
     and the command to run again, no traceback; the log file is there."""
     shutil.copy(ROOT / "pipelines.yaml", tmp_path / "pipelines.yaml")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([str(VPO), "run", "--quick", "--config", "pipelines.yaml"], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # SIGINT back to its default in the child: a shell that starts the test suite in the background
+    # ignores SIGINT for it, and a Python started with SIGINT ignored never raises KeyboardInterrupt
+    default_sigint = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
+    proc = subprocess.Popen([sys.executable, "-c", default_sigint, str(VPO), "run", "--quick", "--config",
+                             "pipelines.yaml"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
     assert proc.stdout is not None
     seen = []
     deadline = time.monotonic() + 300
