@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextvars
 import json
+import logging
 import os
 import re
 import shutil
@@ -24,7 +25,8 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +51,7 @@ __all__ = [
     "PermanentStageFailure",
     "ProgressSpec",
     "StageFailed",
+    "console_without_stage_tracebacks",
     "dvc_error",
     "dvc_pull",
     "dvc_push",
@@ -426,3 +429,42 @@ def register(plan: Plan) -> dict[str, Any]:
     return json.loads(RunLayout(plan.run_dir, plan.variant).registry_json.read_text(encoding="utf-8"))
 
 
+
+
+class _StageFailureFormatter(logging.Formatter):
+    """A console formatter that leaves out the traceback of a :class:`StageFailed`: the stage already
+    printed its own one-line error, and Prefect's traceback only shows the flow code re-raising it.
+    Other exceptions keep theirs; the UI's log handler is untouched (it still gets the traceback)."""
+
+    def __init__(self, inner: logging.Formatter | None) -> None:
+        super().__init__()
+        self.inner = inner or logging.Formatter()
+
+    def format(self, record: logging.LogRecord) -> str:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, StageFailed):
+            return self.inner.format(record)
+        saved = record.exc_info, record.exc_text
+        record.exc_info, record.exc_text = None, None
+        try:
+            return self.inner.format(record)
+        finally:
+            record.exc_info, record.exc_text = saved
+
+
+@contextmanager
+def console_without_stage_tracebacks() -> Iterator[None]:
+    """While a flow runs in this process, Prefect's console handlers print a stage failure as its
+    error line only (see :class:`_StageFailureFormatter`)."""
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    handlers = {h for name in ("prefect", "") for h in logging.getLogger(name).handlers
+                if isinstance(h, PrefectConsoleHandler)}
+    saved = {h: h.formatter for h in handlers}
+    for h in handlers:
+        h.setFormatter(_StageFailureFormatter(h.formatter))
+    try:
+        yield
+    finally:
+        for h, fmt in saved.items():
+            h.setFormatter(fmt)

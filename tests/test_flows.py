@@ -642,3 +642,36 @@ def test_dvc_errors_show_dvcs_line_and_only_network_ones_retry(lines: list[str],
                                                                shown: str) -> None:
     text, is_transient = tasks.dvc_error(lines)
     assert is_transient is transient and shown in text and text.startswith("ERROR")
+
+
+def test_console_prints_a_stage_failure_without_prefects_traceback() -> None:
+    """`vpo flow` / `vpo ui`: a failed stage is its own error line on the console (no traceback of the flow
+    code that re-raised it); any other exception keeps its traceback, and the formatter is restored."""
+    import logging
+    import sys
+
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    from flows.tasks import DataValidationFailed, console_without_stage_tracebacks
+
+    handler = PrefectConsoleHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    logging.getLogger("prefect").addHandler(handler)
+
+    def record(exc: BaseException) -> logging.LogRecord:
+        try:
+            raise exc
+        except BaseException:
+            info = sys.exc_info()
+        return logging.LogRecord("prefect.flow_runs", logging.ERROR, __file__, 1, "flow failed", None, info)
+
+    try:
+        with console_without_stage_tracebacks():
+            stage = handler.format(record(DataValidationFailed("stage data stopped the flow: 2 rows")))
+            other = handler.format(record(ValueError("a bug")))
+        after = handler.format(record(DataValidationFailed("x")))
+    finally:
+        logging.getLogger("prefect").removeHandler(handler)
+    assert stage == "ERROR flow failed"
+    assert "Traceback" in other and "ValueError: a bug" in other
+    assert "Traceback" in after  # the console's own formatter is back

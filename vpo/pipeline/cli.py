@@ -299,19 +299,22 @@ def _job(args: argparse.Namespace, cfg: Any) -> int:
 def _prefect(args: argparse.Namespace, cfg: Any) -> int:
     """``vpo flow | ui | serve``."""
     from flows import retrain as flows
+    from flows.tasks import console_without_stage_tracebacks
 
     overrides = parse_overrides(args.set)
     if args.cmd == "flow":
-        state = flows.retrain(pipeline=cfg.name, quick=cfg.quick, config=args.config, overrides=overrides,
-                              return_state=True)
+        with console_without_stage_tracebacks():
+            state = flows.retrain(pipeline=cfg.name, quick=cfg.quick, config=args.config, overrides=overrides,
+                                  return_state=True)
         return 1 if state.is_failed() else 0
     if args.cmd == "ui":
         from flows.server import Terminated, run_with_local_server
         from vpo.pipeline.errors import EXIT_INTERRUPTED
 
         try:
-            run_with_local_server(pipeline=cfg.name, quick=cfg.quick, config=args.config, port=args.port,
-                                  keep=args.keep, overrides=overrides)
+            with console_without_stage_tracebacks():
+                run_with_local_server(pipeline=cfg.name, quick=cfg.quick, config=args.config, port=args.port,
+                                      keep=args.keep, overrides=overrides)
         except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM/SIGHUP (Terminated): the server is stopped
             why = str(exc) if isinstance(exc, Terminated) else "interrupted"
             print(f"[vpo] {why}; the local Prefect server and the running stage were stopped; "
