@@ -152,8 +152,9 @@ def publish_failure(plan: Plan, completed: list[dict[str, Any]], failed: str, er
           f"**Error** ({error.__class__.__name__}): {first}", ""]
     if errors:  # the stage's own one-line error, as wrapping text (a code block is cut off on the right)
         md += [f"> {errors[-1]}", ""]
-    if rest:
-        md += ["```", *rest[-25:], "```", ""]
+    if rest:  # the detail lines as wrapping text too: list items stay a list, other lines a quote
+        md += [f"- {ln.strip()[2:]}" if ln.strip().startswith("- ") else f"> {ln.strip()}  "
+               for ln in rest[-25:] if ln.strip()] + [""]
     md += ["## Completed", "", _table_md(completed) if completed else "_nothing_\n",
            "## Not run", "", ", ".join(f"`{label}`" for label in not_run) or "_nothing_", "",
            ("Fix the cause and run the flow again: completed stages are up to date and are not redone; a "

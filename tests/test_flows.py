@@ -479,6 +479,7 @@ def test_failed_expectation_stops_the_flow_with_a_report(prefect_api: str, tmp_p
     assert failed.startswith("# Retrain FAILED: `corrupt` at `data`")
     assert "**Error** (DataValidationFailed): stage data stopped the flow" in failed
     assert "## Completed\n\n_nothing_" in failed and "`train@grpo-s0`" in failed and "`register`" in failed
+    assert "\n- expect_column_values_to_be_unique" in failed and "```" not in failed  # wraps, never cut off
 
 
 # --------------------------------------------------------------------------- S3 outage during push
@@ -658,10 +659,10 @@ def test_console_prints_a_stage_failure_without_prefects_traceback() -> None:
     handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
     logging.getLogger("prefect").addHandler(handler)
 
-    def record(exc: BaseException) -> logging.LogRecord:
+    def record(exc: Exception) -> logging.LogRecord:
         try:
             raise exc
-        except BaseException:
+        except (DataValidationFailed, ValueError):
             info = sys.exc_info()
         return logging.LogRecord("prefect.flow_runs", logging.ERROR, __file__, 1, "flow failed", None, info)
 
