@@ -69,8 +69,8 @@ def metrics_rows(metrics: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def registry_rows(registry: dict[str, Any]) -> list[dict[str, Any]]:
-    """One table row per registry entry: the run, where its checkpoint is (registry object path), its
-    content hash, the git revision and dvc.lock hash it came from, and its held-out metrics."""
+    """One table row per registry entry: the run, its content hash, the git revision and dvc.lock hash
+    it came from, its held-out metrics, and where its checkpoint is (registry object path)."""
     rows = []
     root = str(registry.get("registry") or "").rstrip("/")
     for e in registry.get("entries", []):
@@ -79,7 +79,6 @@ def registry_rows(registry: dict[str, Any]) -> list[dict[str, Any]]:
         k = max(best, key=int) if best else None
         row: dict[str, Any] = {
             "run": e.get("arm"),
-            "path": f"{root}/objects/{e.get('hash')}" if root and e.get("hash") else "",
             "hash": (e.get("hash") or "")[:16],
             "git rev": (e.get("git_rev") or "")[:12] + ("+dirty" if e.get("git_dirty") else ""),
             "dvc.lock": (e.get("dvc_lock_sha256") or "")[:12] or "none",
@@ -89,6 +88,8 @@ def registry_rows(registry: dict[str, Any]) -> list[dict[str, Any]]:
             row[f"best@{k}"] = round(float(best[k]), 3)
         if "reward_diversity" in ev:
             row["diversity"] = round(float(ev["reward_diversity"]), 3)
+        # last: the long object path would push the metrics out of view in the UI's table
+        row["path"] = f"{root}/objects/{e.get('hash')}" if root and e.get("hash") else ""
         rows.append(row)
     return rows
 
