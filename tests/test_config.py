@@ -44,8 +44,8 @@ def write(tmp_path: Path, pipelines: dict[str, Any], **top: Any) -> Path:
 
 
 def problems(exc: ConfigError) -> dict[str, str]:
-    """Map dotted key (line suffix stripped) -> message."""
-    return {key.split(" (line")[0]: msg for key, msg in exc.problems}
+    """Map dotted key (line / --set suffix stripped) -> message."""
+    return {key.split(" (line")[0].split(" (from --set)")[0]: msg for key, msg in exc.problems}
 
 
 # --------------------------------------------------------------------------- the shipped file
@@ -131,7 +131,8 @@ def test_quick_overrides_deep_merge_and_merge_arms_by_name() -> None:
     assert quick.trainer.max_steps == raw["trainer"]["max_steps"] < base.trainer.max_steps
     assert quick.trainer.learning_rate == base.trainer.learning_rate  # untouched keys keep the base value
     assert quick.arm("vpo").seeds == [0] and quick.arm("vpo").num_answers == base.arm("vpo").num_answers
-    assert quick.arm("multi_rlvr") == base.arm("multi_rlvr")  # not mentioned: unchanged
+    assert quick.arm("multi_rlvr").own_settings() == base.arm("multi_rlvr").own_settings()  # not mentioned
+    assert quick.arm("multi_rlvr").num_generations == quick.trainer.num_generations == 4  # inherited
     assert quick.evaluation.n_samples >= max(quick.evaluation.k)
 
 
@@ -188,7 +189,8 @@ def test_unknown_key_names_file_pipeline_key_line_and_allowed_keys(tmp_path: Pat
     assert key.startswith("pipelines.p.trainer.stpes (line ")
     line = int(key.split("line ")[1].rstrip(")"))
     assert "stpes" in path.read_text().splitlines()[line - 1]
-    assert text.startswith("unknown key") and "max_steps" in text and "prompts_per_step" in text
+    assert text.startswith("unknown key; did you mean max_steps")
+    assert "GRPOConfig (https://huggingface.co/docs/trl/" in text and "accelerate_config" in text
     assert exc.file == str(path.resolve()) and exc.pipeline == "p"
 
 
@@ -460,5 +462,10 @@ def test_estimator_settings_belong_to_their_estimator(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         load_pipeline("p", write(tmp_path, {"p": bad}))
     found = problems(err.value)
-    assert "max_at_k_k applies to estimator max_at_k only" in found["pipelines.p.arms[0]"]
-    assert "apply to estimator grpo (TRL's GRPO) only" in found["pipelines.p.arms[1]"]
+    assert "applies to estimator max_at_k only" in found["pipelines.p.arms[0].max_at_k_k"]
+    assert "applies to estimator grpo (TRL's GRPO) only" in found["pipelines.p.arms[1].scale_rewards"]
+    # inherited from the trainer: named at the trainer's key, with the arm that cannot take it
+    inherited = minimal(trainer={"scale_rewards": "batch"})
+    with pytest.raises(ConfigError) as err:
+        load_pipeline("p", write(tmp_path, {"p": inherited}))
+    assert "(arm 'vpo'); set it on the grpo arms" in problems(err.value)["pipelines.p.trainer.scale_rewards"]

@@ -28,7 +28,7 @@ import math
 import warnings
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -63,17 +63,22 @@ warnings.simplefilter("always", LowParseRateWarning)  # one per step, never fold
 
 @dataclass
 class VPOConfig(GRPOConfig):
-    """GRPOConfig plus the advantage estimator and its settings (VPO_SPEC 1.4-1.5, 6)."""
+    """GRPOConfig plus the advantage estimator and its settings (VPO_SPEC 1.4-1.5, 6). Bounds and choices
+    are declared in each field's metadata (``ge``/``gt``/``le``, ``choices``): checked here and, without
+    importing TRL, when a pipeline config loads (:mod:`vpo.pipeline.settings`)."""
 
     estimator: str = field(default="vpo", metadata={"help": "Registered advantage estimator (vpo, grpo, gdpo, ...)."})
-    num_answers: int = field(default=3, metadata={"help": "m: answers per rollout (1 = single-answer format)."})
-    num_weights: int = field(default=100, metadata={"help": "K: Dirichlet weightings per prompt group."})
-    weight_alpha: float = field(default=1.0, metadata={"help": "Dirichlet concentration alpha."})
-    weight_sampler: str = field(default="dirichlet", metadata={"help": "'dirichlet' (iid) or 'sobol' (QMC)."})
+    num_answers: int = field(default=3, metadata={"help": "m: answers per rollout (1 = single-answer format).",
+                                                  "ge": 1})
+    num_weights: int = field(default=100, metadata={"help": "K: Dirichlet weightings per prompt group.", "ge": 1})
+    weight_alpha: float = field(default=1.0, metadata={"help": "Dirichlet concentration alpha.", "gt": 0})
+    weight_sampler: str = field(default="dirichlet", metadata={"help": "'dirichlet' (iid) or 'sobol' (QMC).",
+                                                               "choices": ["dirichlet", "sobol"]})
     w_star: list[float] | None = field(default=None, metadata={"help": "Fixed scalarisation for baselines/logging."})
-    advantage_eps: float = field(default=1e-6, metadata={"help": "eps of the group z-score."})
+    advantage_eps: float = field(default=1e-6, metadata={"help": "eps of the group z-score.", "gt": 0})
     max_at_k_k: int | None = field(
-        default=None, metadata={"help": "k of the max_at_k estimator (default max(2, n // 2), as the authors)."})
+        default=None, metadata={"help": "k of the max_at_k estimator (default max(2, n // 2), as the authors).",
+                                "ge": 1})
     truncated_scores_zero: bool = field(
         default=True,
         metadata={"help": "A completion cut at max_completion_length (no EOS) scores as unparseable (all zero). "
@@ -83,26 +88,30 @@ class VPOConfig(GRPOConfig):
     min_parse_rate: float = field(
         default=0.2,
         metadata={"help": "Warn (LowParseRateWarning) when the fraction of a step's rollouts with at least one "
-                  "parsed answer is below this; 0 disables the warning."},
+                  "parsed answer is below this; 0 disables the warning.", "ge": 0.0, "le": 1.0},
     )
     max_unparsed_steps: int = field(
         default=5,
         metadata={"help": "Raise ParseRateError after this many consecutive generation batches (one per training "
                   "step unless steps_per_generation > 1) in which no rollout parsed (all rewards zero, so loss and "
-                  "gradient are zero); 0 disables the check."},
+                  "gradient are zero); 0 disables the check.", "ge": 0},
     )
 
     def __post_init__(self) -> None:
         super().__post_init__()
         get_estimator(self.estimator)  # unknown names fail here, before any model is loaded
-        if self.num_answers < 1:
-            raise ValueError(f"num_answers must be >= 1, got {self.num_answers}")
-        if self.num_weights < 1:
-            raise ValueError(f"num_weights must be >= 1, got {self.num_weights}")
-        if self.weight_alpha <= 0:
-            raise ValueError(f"weight_alpha must be > 0, got {self.weight_alpha}")
-        if self.weight_sampler not in ("dirichlet", "sobol"):
-            raise ValueError(f"weight_sampler must be 'dirichlet' or 'sobol', got {self.weight_sampler!r}")
+        for f in fields(self):  # the bounds and choices VPO's own fields declare
+            if f.name not in _VPO_FIELDS:
+                continue
+            value, meta = getattr(self, f.name), f.metadata
+            if value is None:
+                continue
+            if "choices" in meta and value not in meta["choices"]:
+                raise ValueError(f"{f.name} must be one of {', '.join(map(repr, meta['choices']))}, got {value!r}")
+            for bound, ok, word in (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
+                                    ("le", lambda v, b: v <= b, "<=")):
+                if bound in meta and not ok(value, meta[bound]):
+                    raise ValueError(f"{f.name} must be {word} {meta[bound]}, got {value}")
         if self.reward_weights is not None:
             raise ValueError("VPOConfig takes the scalarisation as w_star (it also becomes TRL's reward_weights); "
                              "leave reward_weights unset")
@@ -111,15 +120,11 @@ class VPOConfig(GRPOConfig):
         if changed and self.estimator.lower() != "grpo":
             raise ValueError(f"{', '.join(changed)} only shape the 'grpo' estimator (TRL's stock advantages); "
                              f"estimator {self.estimator!r} would ignore it")
-        if self.max_at_k_k is not None:
-            if self.estimator.lower() != "max_at_k":
-                raise ValueError(f"max_at_k_k only applies to the 'max_at_k' estimator, not {self.estimator!r}")
-            if self.max_at_k_k < 1:
-                raise ValueError(f"max_at_k_k must be >= 1, got {self.max_at_k_k}")
-        if not 0.0 <= self.min_parse_rate <= 1.0:
-            raise ValueError(f"min_parse_rate must be in [0, 1], got {self.min_parse_rate}")
-        if self.max_unparsed_steps < 0:
-            raise ValueError(f"max_unparsed_steps must be >= 0, got {self.max_unparsed_steps}")
+        if self.max_at_k_k is not None and self.estimator.lower() != "max_at_k":
+            raise ValueError(f"max_at_k_k only applies to the 'max_at_k' estimator, not {self.estimator!r}")
+
+
+_VPO_FIELDS = frozenset(f.name for f in fields(VPOConfig)) - frozenset(f.name for f in fields(GRPOConfig))
 
 
 def completion_text(completion: Any) -> str:

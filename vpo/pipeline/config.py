@@ -21,12 +21,14 @@ Relative paths in the file are resolved against the folder holding the file.
 from __future__ import annotations
 
 import copy
+import difflib
 import json
 import os
 import re
+import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
 from pydantic import (
@@ -39,6 +41,8 @@ from pydantic import (
     PrivateAttr,
     ValidationError,
     ValidationInfo,
+    WrapValidator,
+    create_model,
     field_validator,
     model_validator,
 )
@@ -74,8 +78,6 @@ __all__ = [
 ]
 
 DEFAULT_PATH = "pipelines.yaml"
-
-LossType = Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"]
 
 _NAME_RE = r"^[a-z0-9][a-z0-9_-]*$"  # used in file names, DVC stage names and Prefect keys
 _S3_RE = re.compile(r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$")
@@ -262,109 +264,85 @@ class SFTConfig(_Strict):
 RUN_INDEPENDENT_ARM_KEYS = ("name", "seeds", "enabled")
 
 
-class ArmConfig(_Strict):
-    """One estimator arm of the experiment; each (arm, seed) is one training run and checkpoint.
-    Field names are :class:`vpo.trainer.VPOConfig`'s (see :mod:`vpo.pipeline.settings`)."""
-
-    name: Annotated[str, Field(pattern=_NAME_RE, description="arm id used in paths and stage names")]
-    estimator: str = Field(description="a registered advantage estimator (vpo.advantages.ESTIMATORS)")
-    num_answers: PositiveInt = Field(default=1, description="m: answers per rollout (VPO answer-set size)")
-    num_generations: int = Field(default=8, ge=2, description="G: rollouts per prompt")
-    rollout_multiplier: PositiveInt = Field(
-        default=1,
-        description="multiplies rollouts per prompt (G x this) for a compute-matched single-answer arm",
-    )
-    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
-    enabled: bool = True
-    max_completion_length: PositiveInt | None = Field(
-        default=None,
-        description="token limit of this arm's rollouts (default trainer.max_completion_length); "
-        "a set of m answers needs about m times a single answer's budget",
-    )
-    max_at_k_k: PositiveInt | None = Field(
-        default=None, description="estimator max_at_k: the k of max@k (default max(2, G // 2), as the authors)"
-    )
-    scale_rewards: Literal["group", "batch", "none"] = Field(
-        default="group", description="estimator grpo: TRL's scale_rewards"
-    )
-    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = Field(
-        default="sum_then_normalize", description="estimator grpo: TRL's multi_objective_aggregation"
-    )
-
-    @model_validator(mode="after")
-    def _estimator_settings(self) -> ArmConfig:
-        if self.max_at_k_k is not None and self.estimator != "max_at_k":
-            raise ValueError(f"max_at_k_k applies to estimator max_at_k only, not {self.estimator!r}")
-        if self.estimator != "grpo" and (self.scale_rewards, self.multi_objective_aggregation) != (
-                "group", "sum_then_normalize"):
-            raise ValueError(f"scale_rewards / multi_objective_aggregation apply to estimator grpo (TRL's GRPO) "
-                             f"only, not {self.estimator!r}")
-        return self
-
-    @field_validator("seeds")
-    @classmethod
-    def _unique_seeds(cls, value: list[int]) -> list[int]:
-        if len(set(value)) != len(value):
-            raise ValueError(f"seeds must be unique, got {value}")
+def _keep_int(value: Any, handler: Any) -> Any:
+    """A float setting given as an integer stays an integer (``save_steps: 2`` is not written back as 2.0)."""
+    if isinstance(value, int) and not isinstance(value, bool):
         return value
-
-    @field_validator("estimator")
-    @classmethod
-    def _known_estimator(cls, value: str) -> str:
-        from vpo.advantages import ESTIMATORS  # the registry is the one list of estimator names
-
-        if value.lower() not in ESTIMATORS:
-            raise ValueError(f"unknown advantage estimator {value!r}; registered: "
-                             f"{', '.join(repr(n) for n in sorted(ESTIMATORS))}")
-        return value.lower()
-
-    def completion_length(self, trainer: TrainerConfig) -> int:
-        """This arm's completion token limit."""
-        return self.max_completion_length or trainer.max_completion_length
-
-    @property
-    def rollouts_per_prompt(self) -> int:
-        """Effective rollouts per prompt: G x rollout multiplier."""
-        return self.num_generations * self.rollout_multiplier
+    return handler(value)
 
 
-class TrainerConfig(_Strict):
-    """RL trainer settings shared by all arms. Names are TRL's ``GRPOConfig`` / :class:`VPOConfig`
-    field names; :mod:`vpo.pipeline.settings` maps every field (or says why it is pipeline-only)."""
+_Float = Annotated[float, WrapValidator(_keep_int)]
 
-    max_steps: PositiveInt = 100
-    prompts_per_step: PositiveInt = Field(default=8, description="prompts per optimizer step (x rollouts = batch)")
-    learning_rate: PositiveFloat = 5e-4
-    beta: NonNegativeFloat = Field(default=0.0, description="KL coefficient (0 = no reference model)")
-    temperature: PositiveFloat = 1.0
+
+def _annotation(spec: Mapping[str, Any], choices: Sequence[Any] | None = None) -> Any:
+    """The pydantic type of a VPOConfig field's type description (:func:`vpo.pipeline.settings._type_spec`);
+    ``choices`` (declared in the field's metadata) narrow its strings."""
+    kind = spec["type"]
+    if kind == "str" and choices:
+        return Literal[tuple(choices)]
+    if kind in ("bool", "int", "str"):
+        return {"bool": bool, "int": int, "str": str}[kind]
+    if kind == "float":
+        return _Float
+    if kind == "null":
+        return type(None)
+    if kind == "any":
+        return Any
+    if kind == "literal":
+        return Literal[tuple(spec["values"])]
+    if kind == "list":
+        return list[_annotation(spec["of"])]  # type: ignore[misc]
+    if kind == "dict":
+        return dict[str, _annotation(spec["of"])]  # type: ignore[misc]
+    if kind == "union":
+        members = tuple(_annotation(s, choices) for s in spec["of"])
+        return Union[members]  # noqa: UP007 (built from data)
+    return type(None)  # an object (e.g. accelerate's ParallelismConfig): no YAML value is one
+
+
+def _vpo_field(name: str, spec: Mapping[str, Any], default: Any) -> tuple[Any, Any]:
+    """(annotation, FieldInfo) of one VPOConfig field: its type, its default, the bounds it declares or
+    :data:`vpo.pipeline.settings.BOUNDS` gives (applied to the non-null member of an optional type)."""
+    from vpo.pipeline.settings import BOUNDS
+
+    bounds = {k: v for k, v in {**spec, **BOUNDS.get(name, {})}.items() if k in ("gt", "ge", "lt", "le")}
+    annotation = _annotation(spec["type"], spec.get("choices"))
+    if bounds:
+        args = typing.get_args(annotation) if typing.get_origin(annotation) is Union else ()
+        if type(None) in args:
+            inner = tuple(a for a in args if a is not type(None))
+            annotation = Optional[Annotated[Union[inner], Field(**bounds)]]  # noqa: UP007
+        else:
+            annotation = Annotated[annotation, Field(**bounds)]
+    return annotation, Field(default=copy.deepcopy(default), description=f"VPOConfig.{name}")
+
+
+def _vpo_fields(exclude: Sequence[str]) -> dict[str, tuple[Any, Any]]:
+    """Pydantic fields for every VPOConfig field not in ``exclude`` nor reserved by the pipeline, with the
+    pipeline's :data:`~vpo.pipeline.settings.DEFAULTS` over VPOConfig's own defaults."""
+    from vpo.pipeline.settings import DEFAULTS, RESERVED, vpo_fields
+
+    out = {}
+    for name, spec in vpo_fields().items():
+        if name in exclude or name in RESERVED:
+            continue
+        out[name] = _vpo_field(name, spec, DEFAULTS[name][0] if name in DEFAULTS else spec.get("default"))
+    return out
+
+
+class RLLoraConfig(LoraConfig):
+    """LoRA for the RL step (``trainer.lora``): the warm-up's LoRA settings, plus whether the adapter is
+    kept beside the merged model the run publishes."""
+
+    save_adapter: bool = Field(default=False, description="also save the adapter alone, in the run's adapter/")
+
+
+class _TrainerBase(_Strict):
+    """The pipeline's own trainer settings (:data:`vpo.pipeline.settings.PIPELINE_ONLY`); every other
+    field of :class:`TrainerConfig` is a VPOConfig field under its own name."""
+
     max_prompt_length: PositiveInt | None = Field(
         default=None, description="longest prompt in tokens; a longer one is an error naming its row"
-    )
-    max_completion_length: PositiveInt = 64
-    num_weights: PositiveInt = Field(default=100, description="K: scalarisation weights per prompt group")
-    weight_alpha: PositiveFloat = Field(default=1.0, description="Dirichlet concentration of the weight sampler")
-    weight_sampler: Literal["dirichlet", "sobol"] = "dirichlet"
-    loss_type: LossType = "dapo"
-    use_vllm: bool = Field(default=False, description="generate rollouts with vLLM (GPU, optional extra)")
-    vllm_mode: Literal["colocate", "server"] = "colocate"
-    vllm_server_base_url: str | None = Field(
-        default=None, description="for vllm_mode=server (infra/vllm/serve.sh)"
-    )
-    gradient_accumulation_steps: PositiveInt = 1
-    logging_steps: PositiveInt = 1
-    save_steps: PositiveInt = Field(default=25, description="checkpoint interval (resume points)")
-    save_total_limit: PositiveInt = Field(
-        default=2, description="resume checkpoints kept while an arm trains (all are deleted once it finished)"
-    )
-    bf16: bool = False
-    truncated_scores_zero: bool = Field(
-        default=True, description="a completion cut at max_completion_length (no EOS) scores as unparseable"
-    )
-    min_parse_rate: float = Field(
-        default=0.2, ge=0.0, le=1.0, description="warn loudly when a step parses fewer of its rollouts"
-    )
-    max_unparsed_steps: int = Field(
-        default=5, ge=0, description="stop when this many steps in a row parse nothing (0: never stop)"
     )
     report_to: list[Literal["dvclive", "tensorboard", "wandb", "trackio", "mlflow"]] = Field(
         default_factory=lambda: ["dvclive"], description="experiment trackers that receive the training logs"
@@ -372,6 +350,7 @@ class TrainerConfig(_Strict):
     accelerate_config: str | None = Field(
         default=None, description="accelerate config file: the train stage runs under `accelerate launch`"
     )
+    lora: RLLoraConfig | None = Field(default=None, description="train LoRA adapters; the merged model is published")
     push_to_hub: bool = Field(
         default=False, description="upload each run's final model to the Hugging Face Hub after registration"
     )
@@ -397,14 +376,84 @@ class TrainerConfig(_Strict):
         return value
 
     @model_validator(mode="after")
-    def _server_url(self) -> TrainerConfig:
-        if self.use_vllm and self.vllm_mode == "server" and not self.vllm_server_base_url:
+    def _server_url(self) -> _TrainerBase:
+        use_vllm, mode, url = (getattr(self, k) for k in ("use_vllm", "vllm_mode", "vllm_server_base_url"))
+        if use_vllm and mode == "server" and not url:
             raise ValueError("vllm_mode 'server' needs vllm_server_base_url")
-        if self.vllm_server_base_url and not (self.use_vllm and self.vllm_mode == "server"):
+        if url and not (use_vllm and mode == "server"):
             raise ValueError("vllm_server_base_url is used only with use_vllm: true and vllm_mode: server")
         if self.push_to_hub and not self.hub_model_id:
             raise ValueError("push_to_hub needs hub_model_id (namespace/name)")
         return self
+
+    def settings(self) -> dict[str, Any]:
+        """What the file, its quick preset and ``--set`` give, over the pipeline's
+        :data:`~vpo.pipeline.settings.DEFAULTS`, as plain JSON data in field order."""
+        from vpo.pipeline.settings import DEFAULTS
+
+        return _explicit(self, keep=DEFAULTS)
+
+
+TrainerConfig = create_model(  # every VPOConfig field, validated by its own type (see vpo.pipeline.settings)
+    "TrainerConfig", __base__=_TrainerBase, __module__=__name__,
+    __doc__="RL trainer settings shared by all arms: any field of :class:`vpo.trainer.VPOConfig` (TRL's GRPOConfig "
+            "plus the estimator's) under its own name, plus the pipeline's own (see :mod:`vpo.pipeline.settings`).",
+    **_vpo_fields(exclude=list(_TrainerBase.model_fields)),
+)
+
+
+class _ArmBase(_Strict):
+    """One estimator arm of the experiment; each (arm, seed) is one training run and checkpoint. Besides
+    its name, seeds, switch and rollout multiplier, an arm takes any VPOConfig field; what it does not set
+    comes from ``trainer:`` (resolved when the pipeline loads)."""
+
+    name: Annotated[str, Field(pattern=_NAME_RE, description="arm id used in paths and stage names")]
+    estimator: str = Field(description="a registered advantage estimator (vpo.advantages.ESTIMATORS)")
+    rollout_multiplier: PositiveInt = Field(
+        default=1,
+        description="multiplies num_generations and the completion batch: a compute-matched single-answer arm",
+    )
+    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
+    enabled: bool = True
+
+    @field_validator("seeds")
+    @classmethod
+    def _unique_seeds(cls, value: list[int]) -> list[int]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"seeds must be unique, got {value}")
+        return value
+
+    @field_validator("estimator")
+    @classmethod
+    def _known_estimator(cls, value: str) -> str:
+        from vpo.advantages import ESTIMATORS  # the registry is the one list of estimator names
+
+        if value.lower() not in ESTIMATORS:
+            raise ValueError(f"unknown advantage estimator {value!r}; registered: "
+                             f"{', '.join(repr(n) for n in sorted(ESTIMATORS))}")
+        return value.lower()
+
+    def completion_length(self, trainer: Any = None) -> int:
+        """This arm's completion token limit (its own, else the trainer's: resolved at load)."""
+        return self.max_completion_length
+
+    @property
+    def rollouts_per_prompt(self) -> int:
+        """Effective rollouts per prompt: G x rollout multiplier."""
+        return self.num_generations * self.rollout_multiplier
+
+    def own_settings(self, trainer: Any = None) -> dict[str, Any]:
+        """What the config sets for this arm itself (without its name), as plain JSON data; a null the
+        ``trainer`` would also give is left out."""
+        data = _explicit(self, null_default=lambda n: trainer is None or getattr(trainer, n, None) is None)
+        data.pop("name", None)
+        return data
+
+
+ArmConfig = create_model(  # the trainer's pipeline-only settings are not per arm
+    "ArmConfig", __base__=_ArmBase, __module__=__name__, __doc__=_ArmBase.__doc__,
+    **_vpo_fields(exclude=[*_ArmBase.model_fields, *_TrainerBase.model_fields]),
+)
 
 
 class EvaluationConfig(_Strict):
@@ -514,6 +563,8 @@ class PipelineConfig(_Strict):
     _loaded: Any = PrivateAttr(default=None)  # the parsed file, for line numbers in later errors
     _origin: str = PrivateAttr(default="base")  # base | quick | command-line | params
     _cli: tuple[str, ...] = PrivateAttr(default=())  # the `vpo` arguments that load this same config
+    _raw: dict[str, Any] = PrivateAttr(default_factory=dict)  # the body validated (what overrides merge onto)
+    _overrides: tuple[str, ...] = PrivateAttr(default=())  # dotted keys given with --set
 
     @field_validator("arms", mode="before")
     @classmethod
@@ -533,6 +584,19 @@ class PipelineConfig(_Strict):
         if not any(a.enabled for a in arms):
             raise ValueError("at least one arm must be enabled")
         return arms
+
+    @model_validator(mode="after")
+    def _resolve_arms(self) -> PipelineConfig:
+        """Each arm gets the trainer's value of every VPOConfig field it does not set itself; what it set
+        stays its own (``model_fields_set``, what :meth:`ArmConfig.own_settings` dumps)."""
+        inherited = [n for n in ArmConfig.model_fields if n not in _ArmBase.model_fields]
+        resolved = []
+        for arm in self.arms:
+            values = {n: getattr(arm, n) for n in ArmConfig.model_fields}
+            values.update({n: getattr(self.trainer, n) for n in inherited if n not in arm.model_fields_set})
+            resolved.append(ArmConfig.model_construct(_fields_set=set(arm.model_fields_set), **values))
+        self.__dict__["arms"] = resolved  # frozen: the arms are replaced once, while validating
+        return self
 
     @property
     def enabled_arms(self) -> list[ArmConfig]:
@@ -587,8 +651,9 @@ class PipelineConfig(_Strict):
         return resolve_model(self.model.path_or_id, self.base_dir)
 
     def params(self) -> dict[str, Any]:
-        """Plain JSON-able dict of every setting (for registry entries and run metadata)."""
-        return self.model_dump(mode="json")
+        """The pipeline's name and :meth:`settings` as plain JSON data (registry entries, run metadata);
+        :class:`PipelineConfig` validates it back into the same settings."""
+        return {"name": self.name, **self.settings()}
 
     def cli_args(self) -> list[str]:
         """The ``vpo`` options that load this very config (file, pipeline or variant, preset, every
@@ -596,17 +661,30 @@ class PipelineConfig(_Strict):
         return list(self._cli)
 
     def settings(self) -> dict[str, Any]:
-        """Every setting as plain JSON data with ``arms`` keyed by arm name: the form stage
-        fingerprints and ``params.yaml`` use (one arm's settings are addressable as ``arms.<name>``)."""
-        data = self.model_dump(mode="json", exclude={"name"})
-        data["arms"] = {a.pop("name"): a for a in data["arms"]}
-        return data
+        """The settings stage fingerprints read, as plain JSON data: every value of the pipeline's own
+        sections; of ``trainer`` what is set plus the pipeline's defaults, and of each arm (keyed by
+        name, ``arms.<name>``) what it sets itself -- not the ~200 TRL defaults behind them."""
+        data = self.model_dump(mode="json", exclude={"name", "description", "trainer", "arms"})
+        return self._ordered(data)
+
+    def explicit_settings(self) -> dict[str, Any]:
+        """Only what the file, its quick preset and ``--set`` give (plus the trainer's pipeline defaults),
+        nulls that are defaults left out: the small, flat entry of a variant in ``params.yaml``."""
+        return self._ordered(_explicit(self, drop=("name", "description", "trainer", "arms")))
+
+    def _ordered(self, data: dict[str, Any]) -> dict[str, Any]:
+        data = {**data, "trainer": self.trainer.settings(),
+                "arms": {a.name: a.own_settings(self.trainer) for a in self.arms}}
+        return {k: data[k] for k in type(self).model_fields if k in data}
 
     def problem(self, keys: Sequence[str | int], message: str) -> ConfigError:
         """A :class:`ConfigError` about the setting at ``keys`` (e.g. ``("task", "params", "source")``)
-        found after loading (when a stage builds the task), with its file, pipeline and line."""
+        found after loading (when a stage builds the task), with its file, pipeline and line -- or
+        "from --set" when the value came from the command line."""
         key_text = ".".join(str(k) for k in keys)
         label = self.name if self._origin == "base" else f"{self.name} ({self._origin} settings)"
+        if self._overrides:
+            label += " with --set"
         if self._loaded is None:
             return ConfigError(self._source_file or "<in memory>", label, [(key_text, message)])
         if self._origin == "params":
@@ -615,7 +693,30 @@ class PipelineConfig(_Strict):
             extra = ["quick"] if self._origin == "quick" else []
             item = self._loaded.problem(["pipelines", self.name, *extra, *keys], f"pipelines.{self.name}.{key_text}",
                                         message)
+        if _from_set(key_text, self._overrides):
+            prefix = "" if self._origin == "params" else f"pipelines.{self.name}."
+            item = (f"{prefix}{key_text} (from --set)", message)
         return ConfigError(self._loaded.path, label, [item])
+
+
+def _explicit(model: BaseModel, *, keep: Sequence[str] = (), drop: Sequence[str] = (),
+              null_default: Any = None) -> dict[str, Any]:
+    """The fields of ``model`` that were given (or are in ``keep``), nested models likewise, as JSON data
+    in field order; a null that is also the field's default is left out (``null_default(name)`` may
+    veto)."""
+    fields = type(model).model_fields
+    wanted = [n for n in fields if (n in model.model_fields_set or n in keep) and n not in drop]
+    dumped = model.model_dump(mode="json", include=set(wanted))
+    out: dict[str, Any] = {}
+    for name in wanted:
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            out[name] = _explicit(value)
+        elif value is None and fields[name].default is None and (null_default is None or null_default(name)):
+            continue
+        else:
+            out[name] = dumped[name]
+    return out
 
 
 class PipelinesFile(_Strict):
@@ -720,31 +821,69 @@ def _describe(value: Any) -> str:
     return f"{text} ({type(value).__name__})"
 
 
-_MOVED: dict[tuple[type[BaseModel], str], str] = {
-    (TrainerConfig, "steps"): "max_steps",
-    (TrainerConfig, "lr"): "learning_rate",
-    (TrainerConfig, "alpha"): "weight_alpha",
-    (TrainerConfig, "sampler"): "weight_sampler",
-    (TrainerConfig, "generation_backend"): "use_vllm (true/false)",
-    (TrainerConfig, "vllm_server_url"): "vllm_server_base_url",
-    (ArmConfig, "m"): "num_answers",
-    (DatasetConfig, "source"): "task.params.source (the task reads its rows)",
-    (DatasetConfig, "format"): "task.params.format (the task reads its rows)",
-    (SearchConfig, "params"): "search.n_problems / prompt_mode / baseline / database (typed keys)",
+_MOVED: dict[tuple[str, str], str] = {
+    ("TrainerConfig", "steps"): "max_steps",
+    ("TrainerConfig", "lr"): "learning_rate",
+    ("TrainerConfig", "alpha"): "weight_alpha",
+    ("TrainerConfig", "sampler"): "weight_sampler",
+    ("TrainerConfig", "generation_backend"): "use_vllm (true/false)",
+    ("TrainerConfig", "vllm_server_url"): "vllm_server_base_url",
+    ("TrainerConfig", "prompts_per_step"): (
+        "per_device_train_batch_size, TRL's completions per device per micro-step (prompts_per_step x "
+        "num_generations on one process gives the same step); see gradient_accumulation_steps and "
+        "generation_batch_size / steps_per_generation"),
+    ("ArmConfig", "prompts_per_step"): "per_device_train_batch_size (completions: prompts x num_generations)",
+    ("ArmConfig", "m"): "num_answers",
+    ("DatasetConfig", "source"): "task.params.source (the task reads its rows)",
+    ("DatasetConfig", "format"): "task.params.format (the task reads its rows)",
+    ("SearchConfig", "params"): "search.n_problems / prompt_mode / baseline / database (typed keys)",
 }
 """Keys that were renamed (to TRL's / VPOConfig's names) or moved: the error says where they went."""
+
+
+def _unknown_key(owner: type[BaseModel] | None, key: str) -> str:
+    """The message for an unknown key of ``owner``: where it moved, or the closest names."""
+    from vpo.pipeline.settings import PIPELINE_ONLY, RESERVED, TRL_DOCS
+
+    name = owner.__name__ if owner is not None else ""
+    if (name, key) in _MOVED:
+        return f"unknown key: now {_MOVED[name, key]}"
+    if owner is None:
+        return "unknown key"
+    if owner in (TrainerConfig, ArmConfig):
+        if key in RESERVED:
+            return f"set by the pipeline, not in the config: {RESERVED[key]}"
+        if owner is TrainerConfig and key in _ArmBase.model_fields:
+            return f"a setting of each arm: arms.<name>.{key}"
+        if owner is ArmConfig and key in _TrainerBase.model_fields:
+            return f"a setting of the whole pipeline: trainer.{key}"
+    close = _closest(key, list(owner.model_fields))
+    hint = f"; did you mean {' or '.join(close)}?" if close else ""
+    if owner in (TrainerConfig, ArmConfig):
+        section = "trainer" if owner is TrainerConfig else "arms"
+        own = ", ".join(k.split(".", 1)[1] for k in PIPELINE_ONLY if k.startswith(f"{section}."))
+        return (f"unknown key{hint} ({section}: takes any field of TRL's GRPOConfig ({TRL_DOCS}) or "
+                f"vpo.trainer.VPOConfig, plus {own})")
+    return f"unknown key{hint}; allowed keys: {', '.join(owner.model_fields)}"
+
+
+def _closest(key: str, names: Sequence[str], n: int = 3) -> list[str]:
+    """The names most like ``key`` (difflib's ratio, also against each run of a name's ``_``-separated
+    words, so ``stpes`` finds ``max_steps`` and ``vllm_gpu_memory`` finds ``vllm_gpu_memory_utilization``)."""
+    def score(name: str) -> float:
+        parts = name.split("_")
+        runs = ["_".join(parts[i:j]) for i in range(len(parts)) for j in range(i + 1, len(parts) + 1)]
+        return max(difflib.SequenceMatcher(None, key, r).ratio() - 0.01 * (r != name) for r in runs)
+
+    scored = sorted(((score(nm), nm) for nm in names), key=lambda x: -x[0])
+    return [nm for sc, nm in scored[:n] if sc >= 0.75]
 
 
 def _format_error(model: type[BaseModel], err: Mapping[str, Any]) -> str:
     kind = err["type"]
     loc = err["loc"]
     if kind == "extra_forbidden":
-        owner = _model_at(model, loc[:-1])
-        moved = _MOVED.get((owner, str(loc[-1]))) if owner else None
-        if moved:
-            return f"unknown key: now {moved}"
-        allowed = f"; allowed keys: {', '.join(owner.model_fields)}" if owner else ""
-        return f"unknown key{allowed}"
+        return _unknown_key(_model_at(model, loc[:-1]), str(loc[-1]))
     if kind == "missing":
         return "required key is missing"
     msg = str(err["msg"])
@@ -752,9 +891,43 @@ def _format_error(model: type[BaseModel], err: Mapping[str, Any]) -> str:
     msg = re.sub(r"^Input should be ", "expected ", msg)
     if kind in ("model_type", "dict_type", "model_attributes_type"):
         msg = "expected a mapping"
+    if kind == "none_required":
+        msg = "expected null: a Python object, it cannot be set in a YAML file"
     if "input" in err and kind not in ("value_error", "assertion_error"):
         msg += f", got {_describe(err['input'])}"
     return msg
+
+
+def _field_loc(model: type[BaseModel], loc: Sequence[Any]) -> tuple[Any, ...]:
+    """``loc`` cut after the first field whose value is not a settings section: a union type reports
+    one error per member, with the member's name appended, which is no key of the file."""
+    current: Any = model
+    for i, part in enumerate(loc):
+        if isinstance(part, int):
+            continue
+        if not (isinstance(current, type) and issubclass(current, BaseModel)) or part not in current.model_fields:
+            return tuple(loc)
+        current = _unwrap(current.model_fields[part].annotation)
+        if not (isinstance(current, type) and issubclass(current, BaseModel)):
+            return tuple(loc[: i + 1])
+    return tuple(loc)
+
+
+def _problems(model: type[BaseModel], exc: ValidationError) -> list[tuple[tuple[Any, ...], str]]:
+    """(loc, message) per key: the member errors of a union become one "expected A or B, got X"."""
+    grouped: dict[tuple[Any, ...], list[Mapping[str, Any]]] = {}
+    for err in exc.errors():
+        grouped.setdefault(_field_loc(model, err["loc"]), []).append(err)
+    out = []
+    for loc, errs in grouped.items():
+        messages = list(dict.fromkeys(_format_error(model, {**e, "loc": loc if len(errs) > 1 else e["loc"]})
+                                      for e in errs))
+        if len(messages) > 1:
+            got = f", got {_describe(errs[0]['input'])}" if "input" in errs[0] else ""
+            parts = [m.removesuffix(got).removeprefix("expected ") for m in messages]
+            messages = ["expected " + " or ".join(dict.fromkeys(parts)) + got]
+        out.append((loc, messages[0]))
+    return out
 
 
 def _yaml_line(root: yaml.Node | None, keys: Sequence[Any]) -> int | None:
@@ -815,15 +988,47 @@ def _duplicate_keys(node: yaml.Node | None, path: tuple[str, ...] = ()) -> list[
     return found
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML as pipelines.yaml and ``--set`` values are read: PyYAML's safe loader, where a number in
+    exponent form without a dot (``1e-4``, as users write learning rates) is a float, as in YAML 1.2,
+    not the string YAML 1.1 makes of it."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))
+
+
+def load_yaml(text: str) -> Any:
+    """Parse YAML text with :class:`_Loader` (``1e-4`` is a number)."""
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 (_Loader is a SafeLoader)
+
+
+def read_text(path: Path) -> str:
+    """A config file's text; one :class:`ConfigError` when it is unreadable or not UTF-8 (naming the
+    first bad byte's line and column)."""
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(path, None, [("", f"cannot read the file: {exc.strerror or exc}")]) from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise ConfigError(path, None, [("", f"not UTF-8 text: byte 0x{raw[exc.start]:02x} at line {line}, column "
+                                            f"{column}; save the file as UTF-8")]) from None
+
+
 def _parse(path: str | os.PathLike[str]) -> _Loaded:
     """Read a YAML file: data, node tree for line numbers; duplicate keys are errors."""
     p = Path(path).expanduser()
     if not p.is_file():
         raise ConfigError(p, None, [("", f"file not found (looked for {p.resolve()})")])
-    text = p.read_text(encoding="utf-8")
+    text = read_text(p)
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
+        root = yaml.compose(text, Loader=_Loader)  # noqa: S506 (a SafeLoader)
+        data = load_yaml(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
@@ -844,10 +1049,7 @@ def _read(path: str | os.PathLike[str]) -> _Loaded:
     try:
         PipelinesFile.model_validate(data)
     except ValidationError as exc:
-        problems = [
-            loaded.problem(e["loc"], _loc_to_key("", e["loc"]), _format_error(PipelinesFile, e))
-            for e in exc.errors()
-        ]
+        problems = [loaded.problem(loc, _loc_to_key("", loc), msg) for loc, msg in _problems(PipelinesFile, exc)]
         raise ConfigError(p, None, problems) from None
     return loaded
 
@@ -861,11 +1063,63 @@ def _task_problems(name: str, params: Mapping[str, Any]) -> list[tuple[tuple[str
     return [(("task", "params", *loc), msg) for loc, msg in check_task_params(name, params)]
 
 
-def _validate(loaded: _Loaded, name: str, data: Any, variant: str, *, line_prefix: Sequence[Any] | None = None
-              ) -> PipelineConfig:
-    """Validate one pipeline body. ``variant`` says where its values come from (base, quick,
-    command-line, params) so errors point at the right lines; ``line_prefix`` is the body's key
-    path in the file (default ``pipelines.<name>``)."""
+def _run_problems(cfg: PipelineConfig) -> list[tuple[tuple[str | int, ...], str]]:
+    """Problems of the settings a run ends up with (an arm's own values over the trainer's): settings
+    of one estimator given to another, and batches TRL cannot split into whole prompt groups on the
+    world size (from ``trainer.accelerate_config``, else ``WORLD_SIZE``)."""
+    from vpo.pipeline.settings import batch_plan
+
+    out: list[tuple[tuple[str | int, ...], str]] = []
+    for i, arm in enumerate(cfg.arms):
+        own = arm.model_fields_set
+
+        def where(key: str, i: int = i, own: Any = own) -> tuple[str | int, ...]:
+            return ("arms", i, key) if key in own or key not in cfg.trainer.model_fields_set else ("trainer", key)
+
+        if arm.max_at_k_k is not None and arm.estimator != "max_at_k":
+            out.append((where("max_at_k_k"), f"applies to estimator max_at_k only, not {arm.estimator!r} "
+                                             f"(arm {arm.name!r})"))
+        if arm.estimator != "grpo":
+            for key, stock in (("scale_rewards", "group"), ("multi_objective_aggregation", "sum_then_normalize")):
+                if getattr(arm, key) != stock:
+                    out.append((where(key), f"applies to estimator grpo (TRL's GRPO) only, not {arm.estimator!r} "
+                                            f"(arm {arm.name!r}); set it on the grpo arms"))
+        if arm.enabled:
+            try:
+                batch_plan(cfg, arm)
+            except ValueError as exc:
+                keys = ("per_device_train_batch_size", "num_generations", "generation_batch_size",
+                        "steps_per_generation", "rollout_multiplier")
+                loc: tuple[str | int, ...] = ("arms", i) if any(k in own for k in keys) else (
+                    ("trainer", "per_device_train_batch_size"))
+                out.append((loc, str(exc)))
+    return out
+
+
+def _dotted(body: Mapping[str, Any], loc: Sequence[Any]) -> str:
+    """A loc as the dotted key ``--set`` uses (arms by name)."""
+    parts: list[str] = []
+    for i, part in enumerate(loc):
+        if isinstance(part, int) and parts == ["arms"]:
+            arms = body.get("arms")
+            item = arms[part] if isinstance(arms, list) and part < len(arms) else None
+            parts.append(str(item.get("name", part)) if isinstance(item, Mapping) else str(part))
+        else:
+            parts.append(str(part))
+        del i
+    return ".".join(parts)
+
+
+def _from_set(dotted: str, overrides: Sequence[str]) -> bool:
+    """Whether the setting ``dotted`` (or a part of it) came from a ``--set`` key."""
+    return any(dotted == k or dotted.startswith(k + ".") or k.startswith(dotted + ".") for k in overrides)
+
+
+def _validate(loaded: _Loaded, name: str, data: Any, origin: str, *, line_prefix: Sequence[Any] | None = None,
+              overrides: Sequence[str] = ()) -> PipelineConfig:
+    """Validate one pipeline body. ``origin`` says where its values come from (base, quick or params)
+    and ``overrides`` which dotted keys ``--set`` gave, so errors point at the right lines (or say
+    "from --set"); ``line_prefix`` is the body's key path in the file (default ``pipelines.<name>``)."""
     prefix = f"pipelines.{name}"
     where = list(line_prefix) if line_prefix is not None else ["pipelines", name]
     if not isinstance(data, Mapping):
@@ -876,30 +1130,55 @@ def _validate(loaded: _Loaded, name: str, data: Any, variant: str, *, line_prefi
                                                              "must match the key")])
     body["name"] = name
 
-    def located(loc: Sequence[Any], key_text: str, message: str) -> tuple[str, str]:
-        if variant == "base" or variant == "params":
-            return loaded.problem([*where, *loc], key_text, message)
-        if variant == "quick":  # point at the quick: entry when it set this key, else the base key
+    def located(loc: Sequence[Any], message: str) -> tuple[str, str]:
+        key_text = _loc_to_key(prefix, loc)
+        if overrides and _from_set(_dotted(body, loc), overrides):
+            return (f"{key_text} (from --set)", message)
+        if origin == "quick":  # point at the quick: entry when it set this key, else the base key
             return loaded.problem([*where, "quick", *loc], key_text, message)
-        return (key_text, message)
+        return loaded.problem([*where, *loc], key_text, message)
 
-    label = name if variant == "base" else f"{name} (with its {variant} settings)"
+    sources = {"base": "", "quick": "its quick settings", "params": "its params settings"}[origin]
+    extra = " and ".join(x for x in (sources, "--set" if overrides else "") if x)
+    label = f"{name} (with {extra})" if extra else name
     problems: list[tuple[str, str]] = []
+    cfg = None
     try:
         cfg = PipelineConfig.model_validate(body, context={"base_dir": loaded.path.parent})
     except ValidationError as exc:
-        problems = [located(e["loc"], _loc_to_key(prefix, e["loc"]), _format_error(PipelineConfig, e))
-                    for e in exc.errors()]
+        problems = [located(loc, msg) for loc, msg in _problems(PipelineConfig, exc)]
     task = body.get("task")
     if isinstance(task, Mapping) and isinstance(task.get("name"), str) and isinstance(task.get("params", {}), Mapping):
-        problems += [located(loc, _loc_to_key(prefix, loc), msg)
-                     for loc, msg in _task_problems(task["name"], task.get("params", {}))]
+        task_problems = _task_problems(task["name"], task.get("params", {}))
+        problems += [located(loc, msg) for loc, msg in task_problems]
+        if cfg is not None and not task_problems and _from_set("task", overrides):
+            problems += [located(loc, msg) for loc, msg in _build_problems(cfg)]
+    if cfg is not None:
+        problems += [located(loc, msg) for loc, msg in _run_problems(cfg)]
     if problems:
         raise ConfigError(loaded.path, label, problems)
+    assert cfg is not None
     cfg._source_file = loaded.path
     cfg._loaded = loaded
-    cfg._origin = variant
+    cfg._origin = origin
+    cfg._raw = copy.deepcopy(body)
+    cfg._overrides = tuple(overrides)
     return cfg
+
+
+def _build_problems(cfg: PipelineConfig) -> list[tuple[tuple[str | int, ...], str]]:
+    """Problems the task finds when it is built from its parameters (a missing data file...): checked
+    when the config loads if ``--set`` changed the task, so they are not found only once a stage runs."""
+    from vpo.tasks import get_task
+
+    try:
+        get_task(cfg.task.name, **cfg.task.params)
+    except (ValueError, TypeError, KeyError, OSError) as exc:
+        text = str(exc)
+        key = next((k for k in cfg.task.params if k in text), None)
+        return [(("task", "params", key) if key else ("task", "params"),
+                 f"task {cfg.task.name!r} rejected its parameters: {exc}")]
+    return []
 
 
 def _variant(
@@ -937,21 +1216,25 @@ def _variant(
 
 def apply_overrides(cfg: PipelineConfig, overrides: Mapping[str, Any]) -> PipelineConfig:
     """``cfg`` with dotted-key overrides (``{"trainer.max_steps": 10, "arms.vpo.num_answers": 3}``)
-    applied and everything validated again; one :class:`ConfigError` names every problem."""
+    applied and everything validated again; one :class:`ConfigError` names every problem, a value that
+    came from ``--set`` as such (not by a line of the file)."""
     if not overrides:
         return cfg
     loaded = cfg._loaded
     if loaded is None:
         raise ValueError("overrides need a config loaded from a file")
     nested: dict[str, Any] = {}
-    current = cfg.model_dump(mode="python", exclude={"name"})
+    current = copy.deepcopy(cfg._raw) or cfg.model_dump(mode="python", exclude_unset=True)
+    current.pop("name", None)
     try:
         for key, value in overrides.items():
             _set_dotted(nested, key, value)
         merged = deep_merge(current, nested, path=f"pipelines.{cfg.name}")
     except ValueError as exc:
-        raise ConfigError(loaded.path, cfg.name, [("", str(exc))]) from None
-    out = _validate(loaded, cfg.name, merged, "command-line")
+        raise ConfigError(loaded.path, cfg.name, [("", f"{exc} (from --set)")]) from None
+    line_prefix = [cfg.variant] if cfg._origin == "params" else None
+    out = _validate(loaded, cfg.name, merged, cfg._origin, line_prefix=line_prefix,
+                    overrides=(*cfg._overrides, *overrides))
     out._quick = cfg.quick
     out._cli = (*cfg._cli, *(a for k, v in overrides.items() for a in ("--set", f"{k}={json.dumps(v)}")))
     return out
@@ -962,8 +1245,9 @@ PARAMS_FILE = "params.yaml"
 
 
 def variant_settings(cfg: PipelineConfig) -> dict[str, Any]:
-    """The entry of one variant in ``params.yaml``: its pipeline name, preset and every setting."""
-    return {"pipeline": cfg.name, "quick": cfg.quick, **cfg.settings()}
+    """The entry of one variant in ``params.yaml``: its pipeline name, preset and what it sets
+    (:meth:`PipelineConfig.explicit_settings`; its description stays in ``pipelines.yaml``)."""
+    return {"pipeline": cfg.name, "quick": cfg.quick, **cfg.explicit_settings()}
 
 
 def settings_digest(settings: Mapping[str, Any]) -> str:
@@ -997,12 +1281,12 @@ def load_variant(variant: str, params_path: str | os.PathLike[str] = PARAMS_FILE
                                                                 "needs 'pipeline' (a name) and 'quick' (true/false)")])
     source = Path(config_path) if config_path is not None else loaded.path.parent / DEFAULT_PATH
     generated = (data.get("generated_from") or {}).get(variant)
-    current = variant_settings(load_pipeline(name, source, quick=quick))
-    if generated != settings_digest(current):
+    pipeline = load_pipeline(name, source, quick=quick)
+    if generated != settings_digest(variant_settings(pipeline)):
         raise ConfigError(loaded.path, variant, [("generated_from", (
             f"{loaded.path.name} was generated from another version of {source.name}'s pipeline {name!r}; "
             f"regenerate it (and dvc.yaml) with `vpo dvc` so DVC stages run what {source.name} says"))])
-    cfg = _validate(loaded, name, entry, "params", line_prefix=[variant])
+    cfg = _validate(loaded, name, {**entry, "description": pipeline.description}, "params", line_prefix=[variant])
     cfg._quick = quick
     cfg._cli = ("--params", str(loaded.path), "--variant", variant, "--config", str(source.resolve()))
     return apply_overrides(cfg, overrides) if overrides else cfg
