@@ -92,7 +92,7 @@ def train_arm(task: PhraseTask, base: Path, out: Path, estimator: str, m: int, s
     model = AutoModelForCausalLM.from_pretrained(base)
     rows = task.load("train")
     data = Dataset.from_list([{**r, "prompt": model_prompt(task, r, m, tok)} for r in rows])
-    batch = args.prompts_per_step * args.generations
+    batch = args.per_device_train_batch_size  # TRL's: completions per step (prompts x num_generations)
     cfg = VPOConfig(output_dir=str(out / "trainer"), bf16=False, use_cpu=True, gradient_checkpointing=False,
                     report_to="none", save_strategy="no", logging_steps=1, dataloader_pin_memory=False,
                     per_device_train_batch_size=batch, num_generations=args.generations,
@@ -217,7 +217,8 @@ def main() -> None:
     ap.add_argument("--warm-eval-rows", type=int, default=8)
     ap.add_argument("--rl-steps", type=int, default=6)
     ap.add_argument("--rl-lr", type=float, default=2e-5)
-    ap.add_argument("--prompts-per-step", type=int, default=2)
+    ap.add_argument("--per-device-train-batch-size", type=int, default=8,
+                    help="TRL's per_device_train_batch_size: completions per step (2 prompts x 4 generations)")
     ap.add_argument("--generations", type=int, default=4)
     ap.add_argument("--eval-problems", type=int, default=8)
     ap.add_argument("--eval-samples", type=int, default=6, help="candidates per problem (ceil(n/m) rollouts)")

@@ -216,6 +216,8 @@ class VPOTrainer(GRPOTrainer):
         self.last_advantages: torch.Tensor | None = None  # global (N,) vector of the latest batch
         self.unparsed_streak = 0  # consecutive training steps in which no rollout parsed
         self.low_parse_steps: list[tuple[int, float]] = []  # (step, parse rate) of every warned step
+        self.generated_prompts = 0  # prompt groups generated for training (all ranks), since this trainer began
+        self.generation_rounds = 0  # training generation rounds, since this trainer began
         super().__init__(model=model, reward_funcs=dimension_reward_funcs(reward, args.num_answers), args=args,
                          **kwargs)
         # TRL's stock path (logged as `reward`, and what `grpo` reproduces) weights the columns by w*
@@ -299,6 +301,8 @@ class VPOTrainer(GRPOTrainer):
         logs.extend(adv.tolist())
         self._log_vpo_metrics(mode, batch, gidx, group, log_gen)
         if mode == "train":
+            self.generated_prompts += n_total // group
+            self.generation_rounds += 1
             self._check_parse_rate(float((self._vpo_counts > 0).to(torch.float64).mean()))
         return out
 

@@ -10,13 +10,15 @@
 
 A stage runs only when its output does not answer the current settings, code and inputs (it says
 why); ``--force`` runs it anyway. Exit codes: 0 done; 2 bad input (config, data, reward, checkpoint,
-full disk: one ``error:`` line naming the file/row/key and what to do); 3 the run folder is locked by
-another run (see :mod:`vpo.pipeline.locking`); other codes are crashes.
+full disk: one ``error:`` line naming the file/row/key and what to do -- a config file that is not
+UTF-8 or a disk full before the first stage included); 3 the run folder is locked by another run (see
+:mod:`vpo.pipeline.locking`); other codes are crashes.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -47,8 +49,11 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
-    """``KEY=VALUE`` strings into a mapping (values parsed as YAML); exit 2 on a malformed one."""
+    """``KEY=VALUE`` strings into a mapping (values parsed as YAML, as in pipelines.yaml: ``1e-4`` is a
+    number); exit 2 on a malformed one."""
     import yaml
+
+    from vpo.pipeline.config import load_yaml
 
     out: dict[str, Any] = {}
     for item in items:
@@ -56,7 +61,7 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
             _fail(f"--set expects KEY=VALUE, got {item!r}")
         key, value = item.split("=", 1)
         try:
-            out[key.strip()] = yaml.safe_load(value)
+            out[key.strip()] = load_yaml(value)
         except yaml.YAMLError as exc:
             _fail(f"--set {key.strip()}: value {value!r} is not valid YAML ({exc})")
     return out
@@ -211,10 +216,13 @@ def _stage(args: argparse.Namespace, cfg: Any) -> int:
     return 0
 
 
-def _default_registry() -> str | None:
-    """The default pipeline's ``storage.registry`` when a pipelines.yaml is here (else None)."""
+def _default_registry(argv: Sequence[str]) -> str | None:
+    """The default pipeline's ``storage.registry`` when a pipelines.yaml is here (else None); not read
+    when ``--registry`` or ``$VPO_REGISTRY`` names the registry (the file may be broken, or absent)."""
     from vpo.pipeline.config import ConfigError, load_pipeline
 
+    if os.environ.get("VPO_REGISTRY") or any(a == "--registry" or a.startswith("--registry=") for a in argv):
+        return None
     try:
         cfg = load_pipeline(None, "pipelines.yaml")
     except ConfigError:
@@ -229,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["registry"]:  # the registry's own CLI takes every argument after it (--help included)
         from vpo.pipeline.registry import main as registry_main
 
-        return registry_main(argv[1:], default_registry=_default_registry(), prog="vpo registry")
+        return registry_main(argv[1:], default_registry=_default_registry(argv[1:]), prog="vpo registry")
     args = _parser().parse_args(argv)
     if args.cmd == "pipelines":
         from vpo.pipeline.config import ConfigError, load_all
@@ -250,15 +258,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         from vpo.pipeline import console
         from vpo.pipeline.errors import EXIT_INTERRUPTED
 
-        with console.session(_log_path(args, cfg), defer_tables=args.cmd == "run"):
-            try:
-                code = _job(args, cfg)
-            except KeyboardInterrupt:
-                console.interrupted(_resume_hint(argv))
-                return EXIT_INTERRUPTED
-            if code == 0:
-                _closing_line()
-            return code
+        try:
+            with console.session(_log_path(args, cfg), defer_tables=args.cmd == "run"):
+                try:
+                    code = _job(args, cfg)
+                except KeyboardInterrupt:
+                    console.interrupted(_resume_hint(argv))
+                    return EXIT_INTERRUPTED
+                if code == 0:
+                    _closing_line()
+                return code
+        except OSError as exc:  # the run folder's disk is full before a stage could say so (lock, log)
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            from vpo.pipeline.layout import RunLayout
+
+            where = exc.filename or RunLayout.of(cfg).root
+            _fail(f"disk full at {where} ({exc.strerror or exc}); free space and run `vpo {' '.join(argv)}` again")
     return _prefect(args, cfg)
 
 

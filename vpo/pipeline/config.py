@@ -35,8 +35,8 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    NonNegativeFloat,
     PositiveFloat,
+    PlainSerializer,
     PositiveInt,
     PrivateAttr,
     ValidationError,
@@ -271,7 +271,7 @@ def _keep_int(value: Any, handler: Any) -> Any:
     return handler(value)
 
 
-_Float = Annotated[float, WrapValidator(_keep_int)]
+_Float = Annotated[float, WrapValidator(_keep_int), PlainSerializer(lambda v: v, return_type=Any)]
 
 
 def _annotation(spec: Mapping[str, Any], choices: Sequence[Any] | None = None) -> Any:
@@ -311,7 +311,7 @@ def _vpo_field(name: str, spec: Mapping[str, Any], default: Any) -> tuple[Any, A
         args = typing.get_args(annotation) if typing.get_origin(annotation) is Union else ()
         if type(None) in args:
             inner = tuple(a for a in args if a is not type(None))
-            annotation = Optional[Annotated[Union[inner], Field(**bounds)]]  # noqa: UP007
+            annotation = Optional[Annotated[Union[inner], Field(**bounds)]]  # noqa: UP007, UP045 (built from data)
         else:
             annotation = Annotated[annotation, Field(**bounds)]
     return annotation, Field(default=copy.deepcopy(default), description=f"VPOConfig.{name}")
@@ -1001,7 +1001,7 @@ _Loader.add_implicit_resolver(
 
 def load_yaml(text: str) -> Any:
     """Parse YAML text with :class:`_Loader` (``1e-4`` is a number)."""
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 (_Loader is a SafeLoader)
+    return yaml.load(text, Loader=_Loader)
 
 
 def read_text(path: Path) -> str:
@@ -1016,8 +1016,8 @@ def read_text(path: Path) -> str:
     except UnicodeDecodeError as exc:
         line = raw.count(b"\n", 0, exc.start) + 1
         column = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
-        raise ConfigError(path, None, [("", f"not UTF-8 text: byte 0x{raw[exc.start]:02x} at line {line}, column "
-                                            f"{column}; save the file as UTF-8")]) from None
+        raise ConfigError(path, None, [("", (f"not UTF-8 text: byte 0x{raw[exc.start]:02x} at line {line}, column "
+                                            f"{column}; save the file as UTF-8"))]) from None
 
 
 def _parse(path: str | os.PathLike[str]) -> _Loaded:
@@ -1027,7 +1027,7 @@ def _parse(path: str | os.PathLike[str]) -> _Loaded:
         raise ConfigError(p, None, [("", f"file not found (looked for {p.resolve()})")])
     text = read_text(p)
     try:
-        root = yaml.compose(text, Loader=_Loader)  # noqa: S506 (a SafeLoader)
+        root = yaml.compose(text, Loader=_Loader)
         data = load_yaml(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
@@ -1077,13 +1077,13 @@ def _run_problems(cfg: PipelineConfig) -> list[tuple[tuple[str | int, ...], str]
             return ("arms", i, key) if key in own or key not in cfg.trainer.model_fields_set else ("trainer", key)
 
         if arm.max_at_k_k is not None and arm.estimator != "max_at_k":
-            out.append((where("max_at_k_k"), f"applies to estimator max_at_k only, not {arm.estimator!r} "
-                                             f"(arm {arm.name!r})"))
+            out.append((where("max_at_k_k"), (f"applies to estimator max_at_k only, not {arm.estimator!r} "
+                                             f"(arm {arm.name!r})")))
         if arm.estimator != "grpo":
             for key, stock in (("scale_rewards", "group"), ("multi_objective_aggregation", "sum_then_normalize")):
                 if getattr(arm, key) != stock:
-                    out.append((where(key), f"applies to estimator grpo (TRL's GRPO) only, not {arm.estimator!r} "
-                                            f"(arm {arm.name!r}); set it on the grpo arms"))
+                    out.append((where(key), (f"applies to estimator grpo (TRL's GRPO) only, not {arm.estimator!r} "
+                                            f"(arm {arm.name!r}); set it on the grpo arms")))
         if arm.enabled:
             try:
                 batch_plan(cfg, arm)

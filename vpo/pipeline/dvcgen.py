@@ -6,15 +6,18 @@
 * Only the *declared* variants are in both files (:data:`DEFAULT_VARIANTS`: ``route-quick``; ``vpo dvc
   --add route`` declares the full main job): DVC reports on what is in use, never on dozens of stages
   of a variant nobody runs through it (``vpo run`` runs any variant without DVC).
-* ``params.yaml`` holds the fully resolved settings of each declared variant (the ``quick:`` preset
-  merged, arms keyed by name). DVC stages read their settings
-  from it, so ``dvc exp run -S route-quick.trainer.max_steps=8`` changes a run without rewriting the
-  commented ``pipelines.yaml``; ``generated_from`` records which ``pipelines.yaml`` settings it was made
-  from, and a stage refuses to run from a stale file.
+* ``params.yaml`` holds what each declared variant sets (the ``quick:`` preset merged, arms keyed by
+  name, the trainer's pipeline defaults; not the ~200 TRL defaults behind them), written so that DVC's
+  own rewrite of one value (``dvc exp run -S route-quick.trainer.max_steps=8``) changes that line only:
+  block mappings, lists in flow style, no nulls, no long strings (the description stays in
+  ``pipelines.yaml``). DVC stages read their settings from it, so an experiment runs without rewriting
+  the commented ``pipelines.yaml``; ``generated_from`` records which ``pipelines.yaml`` settings it was
+  made from, and a stage refuses to run from a stale file.
 * ``dvc.yaml`` has one stage per step of each variant's plan (``<variant>-<stage>``, the train stage as
   ``<variant>-train@<arm>-s<seed>``). Each command is ``bin/vpo stage NAME --variant V``: the launcher
   finds the project's interpreter whatever ``PATH`` holds. Deps are the stage's code files and its
-  inputs' outputs, params its settings' keys (a train run only its own arm's). Outs are the stage's
+  inputs' outputs, params its settings' keys that the variant sets (a train run only its own arm's).
+  Outs are the stage's
   output folders, ``persist: true``: DVC never deletes them before a stage runs (the stage itself
   replaces an output atomically, resumes a matching checkpoint and discards other ones), so a ``dvc
   repro`` that meets a running ``vpo`` process's lock loses nothing.
@@ -35,10 +38,10 @@ import yaml
 from vpo.pipeline.config import (
     DEFAULT_PATH,
     PARAMS_FILE,
-    RUN_INDEPENDENT_ARM_KEYS,
-    ArmConfig,
     PipelineConfig,
     load_pipeline,
+    load_yaml,
+    read_text,
     settings_digest,
     variant_settings,
 )
@@ -82,10 +85,12 @@ _DVC_HEADER = """\
 #   dvc metrics show; dvc plots show   # plots render offline (.dvc/plots/offline.html)
 """
 _PARAMS_HEADER = """\
-# GENERATED from pipelines.yaml by `vpo dvc`: the resolved settings of each DVC-managed variant
-# (quick presets merged, arms keyed by name). DVC stages read them from here, so an experiment can
-# change one without touching pipelines.yaml:  dvc exp run -S route-quick.trainer.max_steps=8
-# Edit pipelines.yaml for lasting changes and regenerate; generated_from makes stale files an error.
+# GENERATED from pipelines.yaml by `vpo dvc`: what each DVC-managed variant sets (quick presets
+# merged, arms keyed by name, the trainer's pipeline defaults; every other setting is TRL's or the
+# schema's default). DVC stages read them from here, so an experiment can change one without
+# touching pipelines.yaml:  dvc exp run -S route-quick.trainer.max_steps=8
+# (an arm's own value wins: route-quick.arms.vpo.learning_rate=1.0e-4; any GRPOConfig field can be
+# added). Edit pipelines.yaml for lasting changes and regenerate; generated_from makes stale files an error.
 """
 
 
@@ -95,7 +100,7 @@ def declared_variants(config: str | Path = DEFAULT_PATH) -> list[str]:
     path = Path(config).resolve().parent / PARAMS_FILE
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except (OSError, yaml.YAMLError):
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return list(DEFAULT_VARIANTS)
     names = list((data.get("generated_from") or {}) if isinstance(data, dict) else [])
     return names or list(DEFAULT_VARIANTS)
@@ -107,7 +112,7 @@ def variants(config: str | Path = DEFAULT_PATH, names: Sequence[str] | None = No
     from vpo.pipeline.names import variant_name
 
     wanted = list(declared_variants(config) if names is None else names)
-    raw = yaml.safe_load(Path(config).read_text(encoding="utf-8"))
+    raw = load_yaml(read_text(Path(config)))
     known = {}
     for name, body in (raw.get("pipelines") or {}).items():
         known[variant_name(name, False)] = (name, False)
@@ -133,12 +138,18 @@ def _code_deps(cfg: PipelineConfig, step: Step) -> list[str]:
 
 
 def _params(cfg: PipelineConfig, step: Step) -> list[dict[str, list[str]]]:
+    """The stage's settings as keys of the variant's params.yaml entry: only keys the entry has (DVC
+    refuses a missing one; a setting left at its default is code, hashed as a dependency)."""
+    entry = variant_settings(cfg)
     keys = []
     for key in step.stage.params:
-        if key == "arm":  # the arm's settings one by one, without those that only choose which runs exist
-            keys += [f"{cfg.variant}.arms.${{item.arm}}.{field}" for field in ArmConfig.model_fields
-                     if field not in RUN_INDEPENDENT_ARM_KEYS]
-        else:
+        if key == "arm":  # the run's own arm: what it sets (its own settings are small)
+            keys.append(f"{cfg.variant}.arms.${{item.arm}}")
+            continue
+        node: Any = entry
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if node is not None:
             keys.append(f"{cfg.variant}.{key}")
     return [{PARAMS_FILE: keys}]
 
@@ -213,11 +224,20 @@ def dvc_yaml_text(config: str | Path = DEFAULT_PATH, names: Sequence[str] | None
     return _DVC_HEADER + body
 
 
+class _ParamsDumper(yaml.SafeDumper):
+    """Block mappings, lists in flow style (``[1, 4]``), no line wrapping: the layout DVC's own YAML
+    round trip (``dvc exp run -S``) keeps, so an experiment's diff is the changed line."""
+
+
+_ParamsDumper.add_representer(list, lambda d, v: d.represent_sequence("tag:yaml.org,2002:seq", v, flow_style=True))
+
+
 def params_yaml_text(config: str | Path = DEFAULT_PATH, names: Sequence[str] | None = None) -> str:
-    """``params.yaml`` as text: each declared variant's resolved settings and where they came from."""
+    """``params.yaml`` as text: what each declared variant sets, and where it came from."""
     entries = {cfg.variant: variant_settings(cfg) for cfg in variants(config, names)}
     data = {"generated_from": {v: settings_digest(e) for v, e in entries.items()}, **entries}
-    return _PARAMS_HEADER + yaml.safe_dump(data, sort_keys=False, default_flow_style=False, width=120)
+    return _PARAMS_HEADER + yaml.dump(data, Dumper=_ParamsDumper, sort_keys=False, default_flow_style=False,
+                                      width=10_000, allow_unicode=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

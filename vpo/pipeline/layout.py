@@ -7,7 +7,7 @@ folder is ``<storage.runs_dir>/<variant>/``::
     rewards/     reference.parquet, validation.json                     stage rewards
     base/        model + tokenizer files, summary.json                  stage base
     arms/<arm>-s<seed>/                                                  stage train, one folder per run
-                 model/, metrics.json, history.json, live/, tensorboard/, progress.json,
+                 model/, adapter/ (LoRA), metrics.json, history.json, live/, tensorboard/, progress.json,
                  trainer/ (resume checkpoints; deleted once the run is finished)
     eval/        metrics.json, summary.json, curves.json, table.md,    stage evaluate
                  best_at_k.png, vectors/<run id>.npy
@@ -106,6 +106,11 @@ class RunLayout:
 
     def arm_model(self, rid: str) -> Path:
         return self.arm(rid) / "model"
+
+    def arm_adapter(self, rid: str) -> Path:
+        """The LoRA adapter of a run trained with ``trainer.lora`` and ``save_adapter`` (``model/`` is
+        the merged model)."""
+        return self.arm(rid) / "adapter"
 
     def arm_metrics(self, rid: str) -> Path:
         return self.arm(rid) / "metrics.json"

@@ -54,12 +54,10 @@ DEFAULTS: dict[str, tuple[Any, str]] = {
     "learning_rate": (5e-4, "sized for the embedded char model; every shipped pipeline sets its own"),
     "lr_scheduler_type": ("constant", "the paper trains at a constant learning rate (TRL: linear decay)"),
     "warmup_steps": (0, "the paper uses no warm-up"),
-    "gradient_checkpointing": (False, "off: on CPU it only costs time (TRL: on); turn it on for large models on "
-                                      "GPUs"),
+    "gradient_checkpointing": (False, "off: on CPU it only costs time (TRL: on); turn it on for big models"),
     "bf16": (False, "float32 unless asked (TRL: bf16 where supported); CPUs train in float32"),
     "dataloader_pin_memory": (False, "pinning helps only with CUDA and warns on CPU"),
-    "max_completion_length": (64, "short answers (TRL: 512); an arm with m answers usually needs about m times "
-                                  "more"),
+    "max_completion_length": (64, "short answers (TRL: 512); m answers need about m times more"),
     "num_answers": (1, "single-answer arms unless an arm says m (VPOConfig: 3)"),
     "logging_steps": (1, "a log record (and a progress-bar update) every step (TRL: 10)"),
     "save_steps": (25, "resume checkpoints every 25 steps (TRL: 500)"),

@@ -1,6 +1,12 @@
 """Stage ``train``: one arm run (estimator x seed) trained from the base model with :class:`VPOTrainer`.
 
-The settings reach :class:`VPOConfig` through the one mapping in :mod:`vpo.pipeline.settings`.
+The settings reach :class:`VPOConfig` through the one mapping in :mod:`vpo.pipeline.settings`
+(:func:`~vpo.pipeline.settings.vpo_config_kwargs`). When it starts, the stage states the run's batch
+in TRL's terms (prompts and completions per optimizer step and per generation round, on the world
+size it will train on); the run record (``metrics.json``) holds the same numbers and the prompts the
+trainer actually generated. With ``trainer.lora`` TRL trains LoRA adapters (a peft config) and the
+published model is the merged one, a plain Hugging Face folder (the adapter beside it in ``adapter/``
+with ``save_adapter``); the record says ``lora`` and ``merged``.
 Resumable: checkpoints every ``trainer.save_steps`` under ``arms/<run>/trainer/``; a rerun of the same
 request resumes from the newest intact one ("resuming from checkpoint-N"), skipping damaged ones.
 Checkpoints made for another request (other settings, code or inputs) are deleted first, with the
@@ -37,7 +43,7 @@ from vpo.pipeline.console import detail, format_numbers, log, progress
 from vpo.pipeline.context import StageContext
 from vpo.pipeline.errors import StageError
 from vpo.pipeline.inputs import load_rows, stage_command
-from vpo.pipeline.settings import vpo_config_kwargs
+from vpo.pipeline.settings import batch_plan, peft_config, vpo_config_kwargs
 from vpo.pipeline.state import read_state, why_stale, write_state
 from vpo.rewards import VectorReward
 
@@ -173,7 +179,7 @@ def _dataset(ctx: StageContext, rows: Sequence[Mapping[str, Any]], tokenizer: An
         records.append(rec)
     if getattr(get_estimator(run.arm.estimator), "row_weights_column", None):  # goal-conditioned GRPO
         records = goal_condition_rows(records, list(task.reward.names), seed=run.seed,
-                                      alpha=ctx.cfg.trainer.weight_alpha,
+                                      alpha=run.arm.weight_alpha,
                                       present=lambda rec: task.reward.present(_decode_row(rec)))
     return Dataset.from_list(records)
 
@@ -251,15 +257,19 @@ def _fresh_checkpoints(ctx: StageContext, trainer_dir: Path) -> None:
 
 
 def _summary(ctx: StageContext, log_history: Sequence[Mapping[str, Any]], seconds: float,
-             resumed_from: str | None) -> dict[str, Any]:
-    arm, run = ctx.arm_run.arm, ctx.arm_run
+             resumed_from: str | None, measured: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    arm, run, cfg = ctx.arm_run.arm, ctx.arm_run, ctx.cfg
     logs = [rec for rec in log_history if "loss" in rec]
     tail = logs[-max(1, len(logs) // 4):]
     keys = sorted({k for rec in tail for k in rec if k.startswith(("vpo/", "reward", "entropy", "loss"))})
+    lora = cfg.trainer.lora
     return {
         "estimator": arm.estimator, "num_answers": arm.num_answers, "num_generations": arm.rollouts_per_prompt,
-        "seed": run.seed, "max_steps": ctx.cfg.trainer.max_steps, "train_seconds": round(seconds, 1),
+        "seed": run.seed, "max_steps": arm.max_steps, "train_seconds": round(seconds, 1),
         "resumed_from": resumed_from,
+        "batch": {**batch_plan(cfg, arm).record(), **({"measured": dict(measured)} if measured else {})},
+        "lora": lora.model_dump(mode="json") if lora is not None else None,
+        "merged": lora is not None,
         "final": {k: float(sum(r[k] for r in tail if r.get(k) is not None) / max(1, sum(r.get(k) is not None
                                                                                        for r in tail)))
                   for k in keys},
@@ -267,11 +277,23 @@ def _summary(ctx: StageContext, log_history: Sequence[Mapping[str, Any]], second
 
 
 def _publish(ctx: StageContext, save_model: Any, tok: Any, log_history: Sequence[Mapping[str, Any]],
-             seconds: float, resumed_from: str | None) -> dict[str, Any]:
-    """Final model (atomic folder swap), history.json, then metrics.json."""
+             seconds: float, resumed_from: str | None, measured: Mapping[str, Any] | None = None, *,
+             peft_model: Any = None) -> dict[str, Any]:
+    """Final model (atomic folder swap), history.json, then metrics.json. ``save_model(folder)`` writes
+    the trained model; a LoRA run's ``peft_model`` is merged and saved instead (its adapter saved first,
+    through ``save_model``, into ``adapter/`` when ``trainer.lora.save_adapter`` asks for it)."""
     layout, rid = ctx.layout, ctx.arm_run.rid
+    lora = ctx.cfg.trainer.lora
     ctx.invalidate_record()  # the run folder is rewritten file by file from here on
     try:
+        if peft_model is not None and lora is not None and lora.save_adapter:
+            with atomic_dir(layout.arm_adapter(rid)) as tmp:
+                save_model(str(tmp))
+                tok.save_pretrained(str(tmp))
+        else:
+            shutil.rmtree(layout.arm_adapter(rid), ignore_errors=True)  # none left from an earlier request
+        if peft_model is not None:  # a plain model: evaluation, search and the registry read it as they are
+            save_model = peft_model.merge_and_unload().save_pretrained
         with atomic_dir(layout.arm_model(rid)) as tmp:
             save_model(str(tmp))
             tok.save_pretrained(str(tmp))
@@ -279,7 +301,7 @@ def _publish(ctx: StageContext, save_model: Any, tok: Any, log_history: Sequence
         raise StageError(f"could not write the final model of {rid} to {layout.arm_model(rid)} ({exc}); is the "
                          f"disk full? Free space and run `{stage_command(ctx.cfg, 'train', rid)}` again: it "
                          "resumes from the last checkpoint") from None
-    summary = _summary(ctx, log_history, seconds, resumed_from)
+    summary = _summary(ctx, log_history, seconds, resumed_from, measured)
     # the whole run's log (restored from the checkpoint on resume), not only this process's part
     history = [{"step": rec.get("step"), **{k: v for k, v in rec.items() if isinstance(v, (int, float))
                                               and not isinstance(v, bool)}}
@@ -287,7 +309,8 @@ def _publish(ctx: StageContext, save_model: Any, tok: Any, log_history: Sequence
     atomic_write_json(layout.arm_history(rid), history)
     atomic_write_json(layout.arm_metrics(rid), summary)
     numbers = format_numbers(headline(summary["final"]))
-    ctx.outcome(f"{ctx.cfg.trainer.max_steps} steps" + (f"; last quarter: {numbers}" if numbers else ""))
+    merged = "; LoRA merged" if ctx.cfg.trainer.lora is not None else ""
+    ctx.outcome(f"{ctx.arm_run.arm.max_steps} steps{merged}" + (f"; last quarter: {numbers}" if numbers else ""))
     return summary
 
 
@@ -296,11 +319,16 @@ def _publish_checkpoint(ctx: StageContext, checkpoint: Path) -> dict[str, Any]:
     model): publish that checkpoint's weights, train no further."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerState
 
-    log(f"{ctx.arm_run.rid}: {checkpoint.name} is at the requested {ctx.cfg.trainer.max_steps} steps; "
+    log(f"{ctx.arm_run.rid}: {checkpoint.name} is at the requested {ctx.arm_run.arm.max_steps} steps; "
         "publishing its weights without further training")
-    model = AutoModelForCausalLM.from_pretrained(str(checkpoint))
     tok = AutoTokenizer.from_pretrained(str(ctx.layout.base))
     state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
+    if ctx.cfg.trainer.lora is not None:  # a LoRA checkpoint holds the adapter: put it on the base model
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(ctx.layout.base)), str(checkpoint))
+        return _publish(ctx, model.save_pretrained, tok, state.log_history, 0.0, checkpoint.name, peft_model=model)
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint))
     return _publish(ctx, model.save_pretrained, tok, state.log_history, 0.0, checkpoint.name)
 
 
@@ -337,10 +365,14 @@ def train(ctx: StageContext) -> dict[str, Any]:
     if os.environ.get(CHILD_ENV) is None:
         _fresh_checkpoints(ctx, trainer_dir)
     resume = latest_checkpoint(trainer_dir)
-    if resume is not None and (checkpoint_step(resume) or 0) >= cfg.trainer.max_steps:
+    if resume is not None and (checkpoint_step(resume) or 0) >= run.arm.max_steps:
         return _publish_checkpoint(ctx, resume)
     cuda = torch.cuda.is_available()
-    args = VPOConfig(**vpo_config_kwargs(cfg, run, trainer_dir, cuda=cuda, progress=ctx.progress))
+    try:
+        args = VPOConfig(**vpo_config_kwargs(cfg, run, trainer_dir, cuda=cuda, progress=ctx.progress))
+    except ValueError as exc:  # TRL's or VPOConfig's own check of a value (e.g. an unknown loss_type)
+        raise StageError(f"{rid}: TRL's GRPOConfig / VPOConfig rejected the settings of arm {run.arm.name!r} in "
+                         f"pipeline {cfg.name!r}: {str(exc).splitlines()[0]}") from None
     tok = AutoTokenizer.from_pretrained(str(layout.base))
     model = AutoModelForCausalLM.from_pretrained(str(layout.base))
     callbacks: list[Any] = [ProgressFileCallback(layout.arm_progress(rid)),
@@ -355,11 +387,13 @@ def train(ctx: StageContext) -> dict[str, Any]:
     _check_prompt_lengths(ctx, tok, dataset)
     with _tracker_dirs(ctx):
         trainer = VPOTrainer(model=model, reward=RowDecodingReward(ctx.task.reward), args=args,
-                             train_dataset=dataset, processing_class=tok, callbacks=callbacks)
+                             train_dataset=dataset, processing_class=tok, callbacks=callbacks,
+                             peft_config=peft_config(cfg))
     trainer.remove_callback(PrinterCallback)  # ConsoleProgressCallback shows the numbers that matter
     trainer.remove_callback(ProgressCallback)
     if resume is not None:
-        log(f"{rid}: resuming from {resume.name} (step {checkpoint_step(resume)} of {cfg.trainer.max_steps})")
+        log(f"{rid}: resuming from {resume.name} (step {checkpoint_step(resume)} of {run.arm.max_steps})")
+    start_step = (checkpoint_step(resume) or 0) if resume is not None else 0
     t0 = time.time()
     trainer_log = logging.getLogger("transformers.trainer")
     missing_keys = HarmlessMissingKeysFilter(trainer.model)
@@ -371,14 +405,17 @@ def train(ctx: StageContext) -> dict[str, Any]:
     elapsed = time.time() - t0
     if not trainer.is_world_process_zero():
         return {}
+    measured = {"optimizer_steps": trainer.state.global_step - start_step, "generation_rounds":
+                trainer.generation_rounds, "prompts_generated": trainer.generated_prompts}
     if trainer.low_parse_steps:  # the per-step warnings went to the log file; one console line says it
         worst_step, worst = min(trainer.low_parse_steps, key=lambda sr: sr[1])
-        log(f"{rid}: warning: {len(trainer.low_parse_steps)} of {cfg.trainer.max_steps} steps parsed fewer than "
-            f"{cfg.trainer.min_parse_rate:.0%} of rollouts into the {run.arm.num_answers}-answer format (lowest "
+        log(f"{rid}: warning: {len(trainer.low_parse_steps)} of {run.arm.max_steps} steps parsed fewer than "
+            f"{run.arm.min_parse_rate:.0%} of rollouts into the {run.arm.num_answers}-answer format (lowest "
             f"{worst:.0%} at step {worst_step}); unparsed rollouts score zero and teach nothing: warm the base up "
             "longer (sft.steps) or raise max_completion_length")
-    return _publish(ctx, trainer.save_model, tok, trainer.state.log_history, elapsed,
-                    resume.name if resume else None)
+    lora_model = trainer.accelerator.unwrap_model(trainer.model) if cfg.trainer.lora is not None else None
+    return _publish(ctx, trainer.save_model, tok, trainer.state.log_history, elapsed, resume.name if resume else None,
+                    measured, peft_model=lora_model)
 
 
 def _launch(ctx: StageContext, argv: Sequence[str]) -> dict[str, Any]:
@@ -405,6 +442,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
     from vpo.pipeline.stages.base import check_tokenizer
 
     check_tokenizer(AutoTokenizer.from_pretrained(str(layout.base)), f"base model {layout.base}")
+    if os.environ.get(CHILD_ENV) is None:
+        log(f"{ctx.arm_run.rid}: batch {batch_plan(cfg, ctx.arm_run.arm).describe()}")
     if cfg.trainer.accelerate_config and os.environ.get(CHILD_ENV) is None:
         _fresh_checkpoints(ctx, layout.arm_trainer(ctx.arm_run.rid))
         return _launch(ctx, ["stage", "train", *cfg.cli_args(), "--arm", ctx.arm_run.arm.name,
