@@ -1246,8 +1246,39 @@ PARAMS_FILE = "params.yaml"
 
 def variant_settings(cfg: PipelineConfig) -> dict[str, Any]:
     """The entry of one variant in ``params.yaml``: its pipeline name, preset and what it sets
-    (:meth:`PipelineConfig.explicit_settings`; its description stays in ``pipelines.yaml``)."""
-    return {"pipeline": cfg.name, "quick": cfg.quick, **cfg.explicit_settings()}
+    (:meth:`PipelineConfig.explicit_settings`; its description stays in ``pipelines.yaml``). Which runs
+    an arm has (its ``seeds``, ``enabled``) is under ``runs.<arm>``, apart from ``arms.<arm>``: a train
+    stage's DVC params are its arm's settings, so adding a seed leaves the arm's other runs unchanged."""
+    data = cfg.explicit_settings()
+    arms, runs = {}, {}
+    for name, own in data["arms"].items():
+        arms[name] = {k: v for k, v in own.items() if k not in RUN_INDEPENDENT_ARM_KEYS}
+        run = {k: v for k, v in own.items() if k in RUN_INDEPENDENT_ARM_KEYS}
+        if run:
+            runs[name] = run
+    out: dict[str, Any] = {"pipeline": cfg.name, "quick": cfg.quick}
+    for key, value in data.items():
+        out[key] = arms if key == "arms" else value
+        if key == "arms" and runs:
+            out["runs"] = runs
+    return out
+
+
+def _join_runs(entry: dict[str, Any], loaded: _Loaded, variant: str) -> dict[str, Any]:
+    """A params.yaml entry in the pipelines.yaml form: ``runs.<arm>`` merged back into ``arms.<arm>``."""
+    runs = entry.pop("runs", None) or {}
+    arms = entry.get("arms")
+    if not isinstance(runs, Mapping) or not isinstance(arms, Mapping):
+        raise ConfigError(loaded.path, variant, [loaded.problem([variant, "runs"], f"{variant}.runs",
+                                                                "expected a mapping of arm names (and arms one)")])
+    unknown = [name for name in runs if name not in arms]
+    if unknown:
+        raise ConfigError(loaded.path, variant, [loaded.problem([variant, "runs", unknown[0]],
+                                                                f"{variant}.runs.{unknown[0]}",
+                                                                f"no arm of that name; arms: {', '.join(arms)}")])
+    entry["arms"] = {name: {**(own if isinstance(own, Mapping) else {}), **(runs.get(name) or {})}
+                     if isinstance(own, Mapping) else own for name, own in arms.items()}
+    return entry
 
 
 def settings_digest(settings: Mapping[str, Any]) -> str:
@@ -1286,6 +1317,7 @@ def load_variant(variant: str, params_path: str | os.PathLike[str] = PARAMS_FILE
         raise ConfigError(loaded.path, variant, [("generated_from", (
             f"{loaded.path.name} was generated from another version of {source.name}'s pipeline {name!r}; "
             f"regenerate it (and dvc.yaml) with `vpo dvc` so DVC stages run what {source.name} says"))])
+    entry = _join_runs(entry, loaded, variant)
     cfg = _validate(loaded, name, {**entry, "description": pipeline.description}, "params", line_prefix=[variant])
     cfg._quick = quick
     cfg._cli = ("--params", str(loaded.path), "--variant", variant, "--config", str(source.resolve()))

@@ -9,8 +9,7 @@
 * ``params.yaml`` holds what each declared variant sets (the ``quick:`` preset merged, arms keyed by
   name, the trainer's pipeline defaults; not the ~200 TRL defaults behind them), written so that DVC's
   own rewrite of one value (``dvc exp run -S route-quick.trainer.max_steps=8``) changes that line only:
-  block mappings, lists in flow style, no nulls, no long strings (the description stays in
-  ``pipelines.yaml``). DVC stages read their settings from it, so an experiment runs without rewriting
+  block style as DVC writes it, no nulls, no long strings (the description stays in ``pipelines.yaml``). DVC stages read their settings from it, so an experiment runs without rewriting
   the commented ``pipelines.yaml``; ``generated_from`` records which ``pipelines.yaml`` settings it was
   made from, and a stage refuses to run from a stale file.
 * ``dvc.yaml`` has one stage per step of each variant's plan (``<variant>-<stage>``, the train stage as
@@ -89,8 +88,9 @@ _PARAMS_HEADER = """\
 # merged, arms keyed by name, the trainer's pipeline defaults; every other setting is TRL's or the
 # schema's default). DVC stages read them from here, so an experiment can change one without
 # touching pipelines.yaml:  dvc exp run -S route-quick.trainer.max_steps=8
-# (an arm's own value wins: route-quick.arms.vpo.learning_rate=1.0e-4; any GRPOConfig field can be
-# added). Edit pipelines.yaml for lasting changes and regenerate; generated_from makes stale files an error.
+# A setting the variant does not set yet is added with a +: -S +route-quick.trainer.top_p=0.9 (any
+# GRPOConfig field; an arm's own value wins over the trainer's: +route-quick.arms.vpo.learning_rate=2e-4).
+# Edit pipelines.yaml for lasting changes and regenerate; generated_from makes stale files an error.
 """
 
 
@@ -143,7 +143,7 @@ def _params(cfg: PipelineConfig, step: Step) -> list[dict[str, list[str]]]:
     entry = variant_settings(cfg)
     keys = []
     for key in step.stage.params:
-        if key == "arm":  # the run's own arm: what it sets (its own settings are small)
+        if key == "arm":  # the run's own arm: what it sets (its seeds are under runs.<arm>)
             keys.append(f"{cfg.variant}.arms.${{item.arm}}")
             continue
         node: Any = entry
@@ -151,6 +151,8 @@ def _params(cfg: PipelineConfig, step: Step) -> list[dict[str, list[str]]]:
             node = node.get(part) if isinstance(node, dict) else None
         if node is not None:
             keys.append(f"{cfg.variant}.{key}")
+        if key == "arms" and "runs" in entry:  # every arm, and which runs it has
+            keys.append(f"{cfg.variant}.runs")
     return [{PARAMS_FILE: keys}]
 
 
@@ -224,20 +226,14 @@ def dvc_yaml_text(config: str | Path = DEFAULT_PATH, names: Sequence[str] | None
     return _DVC_HEADER + body
 
 
-class _ParamsDumper(yaml.SafeDumper):
-    """Block mappings, lists in flow style (``[1, 4]``), no line wrapping: the layout DVC's own YAML
-    round trip (``dvc exp run -S``) keeps, so an experiment's diff is the changed line."""
-
-
-_ParamsDumper.add_representer(list, lambda d, v: d.represent_sequence("tag:yaml.org,2002:seq", v, flow_style=True))
-
-
 def params_yaml_text(config: str | Path = DEFAULT_PATH, names: Sequence[str] | None = None) -> str:
-    """``params.yaml`` as text: what each declared variant sets, and where it came from."""
+    """``params.yaml`` as text: what each declared variant sets, and where it came from. Block style
+    throughout (lists too) and no line wrapping: exactly the layout DVC's own YAML round trip (``dvc exp
+    run -S``) writes back, so an experiment's diff is the changed line."""
     entries = {cfg.variant: variant_settings(cfg) for cfg in variants(config, names)}
     data = {"generated_from": {v: settings_digest(e) for v, e in entries.items()}, **entries}
-    return _PARAMS_HEADER + yaml.dump(data, Dumper=_ParamsDumper, sort_keys=False, default_flow_style=False,
-                                      width=10_000, allow_unicode=True)
+    return _PARAMS_HEADER + yaml.safe_dump(data, sort_keys=False, default_flow_style=False, width=10_000,
+                                           allow_unicode=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
