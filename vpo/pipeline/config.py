@@ -386,12 +386,6 @@ class _TrainerBase(_Strict):
             raise ValueError("push_to_hub needs hub_model_id (namespace/name)")
         return self
 
-    def settings(self) -> dict[str, Any]:
-        """What the file, its quick preset and ``--set`` give, over the pipeline's
-        :data:`~vpo.pipeline.settings.DEFAULTS`, as plain JSON data in field order."""
-        from vpo.pipeline.settings import DEFAULTS
-
-        return _explicit(self, keep=DEFAULTS)
 
 
 TrainerConfig = create_model(  # every VPOConfig field, validated by its own type (see vpo.pipeline.settings)
@@ -662,19 +656,22 @@ class PipelineConfig(_Strict):
 
     def settings(self) -> dict[str, Any]:
         """The settings stage fingerprints read, as plain JSON data: every value of the pipeline's own
-        sections; of ``trainer`` what is set plus the pipeline's defaults, and of each arm (keyed by
-        name, ``arms.<name>``) what it sets itself -- not the ~200 TRL defaults behind them."""
+        sections; of ``trainer`` what is set plus the pipeline's defaults, and of each enabled arm
+        (keyed by name, ``arms.<name>``) what it sets itself -- not the ~200 TRL defaults behind them,
+        nor the arms that do not run."""
+        from vpo.pipeline.settings import DEFAULTS
+
         data = self.model_dump(mode="json", exclude={"name", "description", "trainer", "arms"})
-        return self._ordered(data)
+        return self._ordered(data, _explicit(self.trainer, keep=DEFAULTS))
 
     def explicit_settings(self) -> dict[str, Any]:
-        """Only what the file, its quick preset and ``--set`` give (plus the trainer's pipeline defaults),
-        nulls that are defaults left out: the small, flat entry of a variant in ``params.yaml``."""
-        return self._ordered(_explicit(self, drop=("name", "description", "trainer", "arms")))
+        """Only what the file, its quick preset and ``--set`` give, nulls that are defaults left out, of
+        the enabled arms: the small, flat entry of a variant in ``params.yaml``."""
+        return self._ordered(_explicit(self, drop=("name", "description", "trainer", "arms")), _explicit(self.trainer))
 
-    def _ordered(self, data: dict[str, Any]) -> dict[str, Any]:
-        data = {**data, "trainer": self.trainer.settings(),
-                "arms": {a.name: a.own_settings(self.trainer) for a in self.arms}}
+    def _ordered(self, data: dict[str, Any], trainer: dict[str, Any]) -> dict[str, Any]:
+        data = {**data, "trainer": trainer,
+                "arms": {a.name: a.own_settings(self.trainer) for a in self.arms if a.enabled}}
         return {k: data[k] for k in type(self).model_fields if k in data}
 
     def problem(self, keys: Sequence[str | int], message: str) -> ConfigError:
