@@ -1279,10 +1279,11 @@ def _join_runs(entry: dict[str, Any], loaded: _Loaded, variant: str) -> dict[str
 
 
 def settings_digest(settings: Mapping[str, Any]) -> str:
-    """A stable hash of a settings mapping (canonical JSON)."""
+    """A stable short hash of a settings mapping (canonical JSON; 16 hex digits tell versions of one
+    file apart and keep ``dvc exp show``'s column narrow)."""
     import hashlib
 
-    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def load_variant(variant: str, params_path: str | os.PathLike[str] = PARAMS_FILE, *,
