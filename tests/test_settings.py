@@ -1,6 +1,8 @@
-"""Every setting the schema accepts does something: trainer and arm fields reach VPOConfig through the
-one mapping (vpo.pipeline.settings) or are pipeline-only with a stated effect; the other sections'
-fields are read by the pipeline code; hardware settings fail clearly where the machine lacks them."""
+"""Every trainer setting is one declaration: any VPOConfig (GRPOConfig) field in ``trainer:`` or an arm
+reaches the VPOConfig the train stage builds, under its own name; the pipeline's defaults are a table a
+user can override; the few pipeline-only settings are tabled and documented; the field table the
+loader reads is exactly the dataclass; TRL's batch arithmetic is stated and checked on the world size;
+hardware settings fail clearly where the machine lacks them."""
 
 from __future__ import annotations
 
@@ -8,75 +10,122 @@ import dataclasses
 import inspect
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
 from vpo.pipeline import config as C
 from vpo.pipeline.layout import ArmRun
-from vpo.pipeline.settings import DERIVED, DIRECT, FIXED, check_hardware, vpo_config_kwargs
+from vpo.pipeline.settings import (
+    DEFAULTS,
+    PIPELINE_ONLY,
+    RESERVED,
+    batch_plan,
+    check_hardware,
+    vpo_config_kwargs,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _vpo_fields() -> set[str]:
-    from vpo.trainer import VPOConfig
-
-    return {f.name for f in dataclasses.fields(VPOConfig)}
-
-
-@pytest.mark.parametrize(("section", "model"), [("trainer", C.TrainerConfig), ("arms", C.ArmConfig)])
-def test_every_trainer_and_arm_field_is_mapped_or_pipeline_only(section: str, model: type) -> None:
-    for name in model.model_fields:
-        direct = name in DIRECT[section]
-        derived = f"{section}.{name}" in DERIVED
-        assert direct != derived, f"{section}.{name}: map it to VPOConfig (DIRECT) or say what it does (DERIVED)"
-    stale = [k for k in DERIVED if k.split(".")[0] == section and k.split(".")[1] not in model.model_fields]
-    assert stale == [], f"DERIVED names settings the schema does not have: {stale}"
-
-
-def test_direct_names_are_vpoconfig_fields() -> None:
-    fields = _vpo_fields()
-    for section, names in DIRECT.items():
-        missing = [n for n in names if n not in fields]
-        assert missing == [], f"{section}: not VPOConfig fields: {missing}"
-    assert set(FIXED) <= fields
-
-
-def test_each_setting_reaches_the_vpoconfig(tmp_path: Path) -> None:
-    """Non-default values of every direct field arrive in the built VPOConfig, derived ones as stated."""
-    from vpo.trainer import VPOConfig
-
-    values = {"max_steps": 7, "learning_rate": 3e-5, "beta": 0.02, "temperature": 0.9, "max_completion_length": 40,
-              "num_weights": 17, "weight_alpha": 0.5, "weight_sampler": "sobol", "loss_type": "grpo",
-              "gradient_accumulation_steps": 2, "logging_steps": 3, "save_steps": 5, "save_total_limit": 4,
-              "truncated_scores_zero": False, "prompts_per_step": 3, "report_to": ["dvclive", "tensorboard"],
-              "min_parse_rate": 0.25, "max_unparsed_steps": 7}
-    body = {"task": {"name": "route"}, "model": {"builder": "tiny"}, "trainer": values,
-            "arms": [{"name": "v", "estimator": "gdpo", "num_answers": 2, "num_generations": 4,
-                      "rollout_multiplier": 3, "seeds": [5], "max_completion_length": 60}]}
+def _pipeline(tmp_path: Path, trainer: dict[str, Any] | None = None, arms: list[dict[str, Any]] | None = None,
+              extra: dict[str, Any] | None = None) -> C.PipelineConfig:
+    body = {"task": {"name": "route"}, "model": {"builder": "tiny"}, "trainer": trainer or {},
+            "arms": arms or [{"name": "v", "estimator": "vpo", "num_answers": 3}], **(extra or {})}
     path = tmp_path / "pipelines.yaml"
-    import yaml
-
     path.write_text(yaml.safe_dump({"version": 1, "pipelines": {"p": body}}))
-    cfg = C.load_pipeline("p", path)
-    kwargs = vpo_config_kwargs(cfg, ArmRun(cfg.arm("v"), 5), tmp_path / "out", cuda=False)
-    args = VPOConfig(**kwargs)
-    for name in DIRECT["trainer"]:
-        if name in ("max_completion_length", "use_vllm", "vllm_mode", "vllm_server_base_url", "bf16"):
-            continue
-        assert getattr(args, name) == values[name], name
-    assert args.max_completion_length == 60  # the arm's own limit wins
-    assert (args.estimator, args.num_answers, args.num_generations) == ("gdpo", 2, 12)
-    assert args.per_device_train_batch_size == 3 * 12 and (args.seed, args.data_seed) == (5, 5)
-    assert args.report_to == ["tensorboard"]  # dvclive is the run folder's own callback
-    assert args.output_dir == str(tmp_path / "out") and args.use_cpu
+    return C.load_pipeline("p", path)
+
+
+def _vpo_config(cfg: C.PipelineConfig, arm: str, tmp_path: Path, seed: int = 0) -> Any:
+    from vpo.trainer import VPOConfig
+
+    return VPOConfig(**vpo_config_kwargs(cfg, ArmRun(cfg.arm(arm), seed), tmp_path / "out", cuda=False))
+
+
+def test_grpo_fields_the_old_schema_lacked_reach_the_vpoconfig(tmp_path: Path) -> None:
+    """Three GRPOConfig fields no hand-kept table listed, set in pipelines.yaml, are in the VPOConfig
+    the train stage builds; an arm's own value wins over the trainer's for that arm only."""
+    cfg = _pipeline(tmp_path, trainer={"gradient_checkpointing": True, "lr_scheduler_type": "cosine", "top_p": 0.9,
+                                       "epsilon_high": 0.28, "mask_truncated_completions": True},
+                    arms=[{"name": "v", "estimator": "vpo", "num_answers": 3},
+                          {"name": "g", "estimator": "grpo", "top_p": 0.5, "learning_rate": 1e-5}])
+    args = _vpo_config(cfg, "v", tmp_path)
+    assert (args.gradient_checkpointing, args.lr_scheduler_type, args.top_p) == (True, "cosine", 0.9)
+    assert (args.epsilon_high, args.mask_truncated_completions) == (0.28, True)
+    other = _vpo_config(cfg, "g", tmp_path)
+    assert (other.top_p, other.learning_rate, other.lr_scheduler_type) == (0.5, 1e-5, "cosine")
+    assert args.learning_rate == DEFAULTS["learning_rate"][0]
+
+
+def test_pipeline_defaults_apply_and_give_way(tmp_path: Path) -> None:
+    """The paper's choices are defaults (constant LR, no warm-up, no checkpointing), not forced values."""
+    args = _vpo_config(_pipeline(tmp_path, arms=[{"name": "v", "estimator": "grpo"}]), "v", tmp_path)
+    for name, (value, why) in DEFAULTS.items():
+        assert getattr(args, name) == value, name
+        assert why, name
+    changed = _pipeline(tmp_path, trainer={"lr_scheduler_type": "linear", "warmup_steps": 3,
+                                           "gradient_checkpointing": True, "save_steps": 7})
+    args = _vpo_config(changed, "v", tmp_path)
+    assert (str(args.lr_scheduler_type.value), args.warmup_steps, args.gradient_checkpointing, args.save_steps) == (
+        "linear", 3, True, 7)
+
+
+def test_what_the_pipeline_sets_itself(tmp_path: Path) -> None:
+    """Reserved fields come from the run (output folder, seed, device), dvclive is our callback, and the
+    rollout multiplier scales the arm's G and its completion batch (same prompts per step)."""
+    cfg = _pipeline(tmp_path, trainer={"report_to": ["dvclive", "tensorboard"], "per_device_train_batch_size": 8,
+                                       "num_generations": 4},
+                    arms=[{"name": "x", "estimator": "grpo", "rollout_multiplier": 3, "seeds": [5]}])
+    args = _vpo_config(cfg, "x", tmp_path, seed=5)
+    assert (args.seed, args.data_seed, args.use_cpu, args.output_dir) == (5, 5, True, str(tmp_path / "out"))
+    assert args.report_to == ["tensorboard"]
+    assert (args.num_generations, args.per_device_train_batch_size, args.generation_batch_size) == (12, 24, 24)
+    plan = batch_plan(cfg, cfg.arm("x"))
+    assert (plan.prompts_per_step, plan.completions_per_step) == (2, 24)
+
+
+def test_the_field_table_is_the_dataclass() -> None:
+    """The generated table the loader reads (no TRL import) equals the live VPOConfig: regenerate it
+    with `python -m vpo.pipeline.settings` when TRL or VPOConfig change."""
+    from vpo.pipeline import settings
+
+    generated = settings._module_text(settings.describe_vpo_config())
+    assert settings.fields_module_path().read_text(encoding="utf-8") == generated, (
+        "vpo/pipeline/vpo_config_fields.py is stale: run `python -m vpo.pipeline.settings`")
+
+
+def test_tables_name_real_settings_and_the_readme_lists_them() -> None:
+    from vpo.trainer import VPOConfig
+
+    fields = {f.name for f in dataclasses.fields(VPOConfig)}
+    assert set(DEFAULTS) <= fields and set(RESERVED) - {"peft_config"} <= fields
+    for key in PIPELINE_ONLY:
+        section, name = key.split(".")
+        model = C.TrainerConfig if section == "trainer" else C.ArmConfig
+        assert name in model.model_fields, key
+    assert not set(RESERVED) & set(C.TrainerConfig.model_fields)
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    for key in [*PIPELINE_ONLY, *(f"trainer.{k}" for k in DEFAULTS)]:
+        assert f"`{key}`" in readme, f"README's settings tables do not list {key}"
+
+
+def test_every_vpoconfig_field_is_a_setting_or_reserved() -> None:
+    """Nothing of VPOConfig is closed off: each field is settable in trainer: (and, except the
+    pipeline's own, per arm), or reserved with a reason."""
+    from vpo.trainer import VPOConfig
+
+    for f in dataclasses.fields(VPOConfig):
+        assert f.name in C.TrainerConfig.model_fields or f.name in RESERVED or f.name == "estimator", f.name
 
 
 def test_other_sections_are_read_by_the_pipeline() -> None:
     """A field of a pipeline-only section that no pipeline module reads would be validated and ignored."""
     code = "\n".join(p.read_text() for p in [*(REPO / "vpo" / "pipeline").rglob("*.py"), *(REPO / "flows").glob("*.py")]
                      if p.name != "config.py")
-    for model in (C.DatasetConfig, C.SFTConfig, C.EvaluationConfig, C.StorageConfig, C.SearchConfig, C.ModelConfig):
+    for model in (C.DatasetConfig, C.SFTConfig, C.EvaluationConfig, C.StorageConfig, C.SearchConfig, C.ModelConfig,
+                  C.RLLoraConfig):
         for name in model.model_fields:
             assert re.search(rf"\.{name}\b", code), f"{model.__name__}.{name} is read nowhere"
     from vpo.search.database import ProgramDatabase
@@ -85,19 +134,62 @@ def test_other_sections_are_read_by_the_pipeline() -> None:
     assert set(C.SearchDatabaseConfig.model_fields) <= db_params  # passed as ProgramDatabase(**database)
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the CPU-only errors")
-@pytest.mark.parametrize(("trainer", "fragment"), [
-    ({"bf16": True}, "trainer.bf16 is true but no CUDA GPU is visible"),
-    ({"use_vllm": True}, "trainer.use_vllm is true but vLLM is not installed"),
-])
-def test_gpu_settings_fail_clearly_on_a_cpu_machine(tmp_path: Path, trainer: dict, fragment: str) -> None:
-    import yaml
+def test_lora_becomes_a_peft_config(tmp_path: Path) -> None:
+    from vpo.pipeline.settings import peft_config
 
+    cfg = _pipeline(tmp_path, trainer={"lora": {"r": 4, "alpha": 8, "dropout": 0.1, "target_modules": ["q_proj"]}})
+    peft = peft_config(cfg)
+    assert (peft.r, peft.lora_alpha, peft.lora_dropout, set(peft.target_modules)) == (4, 8, 0.1, {"q_proj"})
+    assert peft_config(_pipeline(tmp_path)) is None
+
+
+@pytest.mark.parametrize(("world", "ok"), [(1, False), (2, True)])
+def test_batch_divisibility_is_checked_on_the_world_size(tmp_path: Path, world: int, ok: bool) -> None:
+    """per_device_train_batch_size 2 cannot hold a group of 4 on one process; two processes can
+    (accelerate's num_processes is the world size); the error names the settings and a fix."""
+    accel = tmp_path / "accel.yaml"
+    accel.write_text(yaml.safe_dump({"distributed_type": "MULTI_CPU", "num_processes": world}))
+    trainer = {"per_device_train_batch_size": 2, "num_generations": 4, "accelerate_config": "accel.yaml"}
+    if ok:
+        cfg = _pipeline(tmp_path, trainer=trainer)
+        plan = batch_plan(cfg, cfg.arm("v"))
+        assert (plan.world, plan.completions_per_step, plan.prompts_per_step) == (2, 4, 1)
+        assert "4 completions = 1 prompts x 4 (2 processes x 2 per device x 1 accumulation)" in plan.describe()
+        return
+    with pytest.raises(C.ConfigError) as err:
+        _pipeline(tmp_path, trainer=trainer)
+    (key, msg), = err.value.problems
+    assert key.startswith("pipelines.p.trainer.per_device_train_batch_size (line ")
+    assert "per_device_train_batch_size 2 x 1 process(es) x steps_per_generation 1" in msg
+    assert "num_generations 4" in msg and "e.g. per_device_train_batch_size 4" in msg
+
+
+def test_generation_rounds_are_stated(tmp_path: Path) -> None:
+    """steps_per_generation / generation_batch_size: a round feeds several optimizer steps."""
+    cfg = _pipeline(tmp_path, trainer={"per_device_train_batch_size": 4, "num_generations": 4,
+                                       "gradient_accumulation_steps": 2, "generation_batch_size": 16})
+    plan = batch_plan(cfg, cfg.arm("v"))
+    rec = plan.record()
+    assert rec["completions_per_optimizer_step"] == 8 and rec["prompts_per_optimizer_step"] == 2
+    assert rec["completions_per_generation_round"] == 16 and rec["prompts_per_generation_round"] == 4
+    assert rec["optimizer_steps_per_generation_round"] == 2
+    from vpo.trainer import VPOConfig
+
+    args = VPOConfig(**vpo_config_kwargs(cfg, ArmRun(cfg.arm("v"), 0), tmp_path / "o", cuda=False))
+    assert (args.generation_batch_size, args.steps_per_generation) == (16, 4)  # TRL agrees
+    with pytest.raises(C.ConfigError, match="set generation_batch_size or steps_per_generation, not both"):
+        _pipeline(tmp_path, trainer={"generation_batch_size": 16, "steps_per_generation": 2})
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the CPU-only errors")
+@pytest.mark.parametrize(("trainer", "arms", "fragment"), [
+    ({"bf16": True}, None, "trainer.bf16 is true but no CUDA GPU is visible"),
+    ({}, [{"name": "g", "estimator": "grpo", "fp16": True}], "arms.g.fp16 is true but no CUDA GPU is visible"),
+    ({"use_vllm": True}, None, "trainer.use_vllm is true but vLLM is not installed"),
+])
+def test_gpu_settings_fail_clearly_on_a_cpu_machine(tmp_path: Path, trainer: dict, arms: Any, fragment: str) -> None:
     from vpo.pipeline.errors import StageError
 
-    body = {"task": {"name": "route"}, "model": {"builder": "tiny"}, "trainer": trainer,
-            "arms": [{"name": "g", "estimator": "grpo"}]}
-    path = tmp_path / "pipelines.yaml"
-    path.write_text(yaml.safe_dump({"version": 1, "pipelines": {"p": body}}))
+    cfg = _pipeline(tmp_path, trainer=trainer, arms=arms or [{"name": "g", "estimator": "grpo"}])
     with pytest.raises(StageError, match=re.escape(fragment)):
-        check_hardware(C.load_pipeline("p", path))
+        check_hardware(cfg)

@@ -1151,6 +1151,7 @@ def _validate(loaded: _Loaded, name: str, data: Any, origin: str, *, line_prefix
         if cfg is not None and not task_problems and _from_set("task", overrides):
             problems += [located(loc, msg) for loc, msg in _build_problems(cfg)]
     if cfg is not None:
+        cfg._source_file = loaded.path  # relative paths (the accelerate config) resolve against the file
         problems += [located(loc, msg) for loc, msg in _run_problems(cfg)]
     if problems:
         raise ConfigError(loaded.path, label, problems)
