@@ -469,3 +469,203 @@ def test_estimator_settings_belong_to_their_estimator(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         load_pipeline("p", write(tmp_path, {"p": inherited}))
     assert "(arm 'vpo'); set it on the grpo arms" in problems(err.value)["pipelines.p.trainer.scale_rewards"]
+
+
+# --------------------------------------------------------------------------- trainer: any VPOConfig field
+
+
+def test_unknown_trainer_key_is_one_error_with_the_closest_names(tmp_path: Path) -> None:
+    path = write(tmp_path, {"p": minimal(trainer={"lr_schedular_type": "cosine", "vllm_gpu_memory": 0.5})})
+    with pytest.raises(ConfigError) as err:
+        load_pipeline("p", path)
+    found = problems(err.value)
+    assert found["pipelines.p.trainer.lr_schedular_type"].startswith("unknown key; did you mean lr_scheduler_type")
+    assert "did you mean vllm_gpu_memory_utilization?" in found["pipelines.p.trainer.vllm_gpu_memory"]
+    assert all(key.split("(line ")[1].rstrip(")").isdigit() for key, _ in err.value.problems)
+
+
+def test_arms_take_any_field_and_inherit_the_trainers(tmp_path: Path) -> None:
+    body = minimal(trainer={"top_p": 0.9, "num_generations": 4, "per_device_train_batch_size": 8},
+                   arms=[{"name": "grpo", "estimator": "grpo", "top_p": 0.5, "epsilon_high": 0.28},
+                         {"name": "vpo", "estimator": "vpo", "num_answers": 3}])
+    cfg = load_pipeline("p", write(tmp_path, {"p": body}))
+    assert (cfg.arm("grpo").top_p, cfg.arm("vpo").top_p, cfg.arm("vpo").num_generations) == (0.5, 0.9, 4)
+    assert cfg.arm("grpo").own_settings() == {"estimator": "grpo", "top_p": 0.5, "epsilon_high": 0.28}
+    assert cfg.settings()["arms"]["vpo"] == {"estimator": "vpo", "num_answers": 3}
+    # a trainer-wide pipeline setting is not per arm, an arm's identity not trainer-wide
+    bad = minimal(trainer={"seeds": [1]}, arms=[{"name": "a", "estimator": "grpo", "accelerate_config": "x.yaml"}])
+    with pytest.raises(ConfigError) as err:
+        load_pipeline("p", write(tmp_path, {"p": bad}))
+    found = problems(err.value)
+    assert found["pipelines.p.trainer.seeds"] == "a setting of each arm: arms.<name>.seeds"
+    assert found["pipelines.p.arms[0].accelerate_config"] == "a setting of the whole pipeline: trainer.accelerate_config"
+
+
+@pytest.mark.parametrize(("trainer", "key", "fragment"), [
+    ({"seed": 3}, "trainer.seed", "set by the pipeline, not in the config: set per run from arms.<name>.seeds"),
+    ({"hub_token": "hf_x"}, "trainer.hub_token", "a secret: give it as HF_TOKEN in the environment"),
+    ({"prompts_per_step": 8}, "trainer.prompts_per_step", "unknown key: now per_device_train_batch_size, TRL's "
+                                                          "completions per device per micro-step"),
+    ({"top_p": "high"}, "trainer.top_p", "expected a valid number, got 'high' (str)"),
+    ({"gradient_checkpointing": 1}, "trainer.gradient_checkpointing", "expected a valid boolean, got 1 (int)"),
+    ({"lr_scheduler_type": "cosin"}, "trainer.lr_scheduler_type", "expected 'linear', 'cosine',"),
+    ({"lr_scheduler_kwargs": 3}, "trainer.lr_scheduler_kwargs",
+     "expected a mapping or a valid string, got 3 (int)"),
+    ({"num_generations": 1}, "trainer.num_generations", "expected greater than or equal to 2"),
+    ({"top_p": float("nan")}, "trainer.top_p", "expected a finite number"),
+    ({"weight_sampler": "grid"}, "trainer.weight_sampler", "expected 'dirichlet' or 'sobol'"),
+    ({"parallelism_config": {"dp": 2}}, "trainer.parallelism_config", "a Python object, it cannot be set"),
+])
+def test_vpoconfig_fields_are_typed_by_the_dataclass(tmp_path: Path, trainer: dict[str, Any], key: str,
+                                                     fragment: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_pipeline("p", write(tmp_path, {"p": minimal(trainer=trainer)}))
+    found = problems(err.value)
+    assert fragment in found[f"pipelines.p.{key}"], found
+    assert len(err.value.problems) == 1
+
+
+def test_learning_rates_as_users_write_them(tmp_path: Path) -> None:
+    """`1e-4` (a string to YAML 1.1) is a number, in the file and on the command line."""
+    from vpo.pipeline.cli import parse_overrides
+
+    path = tmp_path / "pipelines.yaml"
+    path.write_text("version: 1\npipelines:\n  p:\n    task: {name: route}\n    model: {builder: tiny}\n"
+                    "    arms: [{name: g, estimator: grpo}]\n    trainer: {learning_rate: 1e-4, beta: 5E-3}\n")
+    cfg = load_pipeline("p", path)
+    assert (cfg.trainer.learning_rate, cfg.trainer.beta) == (1e-4, 5e-3)
+    overrides = parse_overrides(["trainer.learning_rate=1e-4", "trainer.max_steps=3", "trainer.run_name=1e3x"])
+    assert overrides == {"trainer.learning_rate": 1e-4, "trainer.max_steps": 3, "trainer.run_name": "1e3x"}
+    assert load_pipeline("p", path, overrides=overrides).arm("g").learning_rate == 1e-4
+
+
+def test_a_file_that_is_not_utf8_is_one_error_naming_the_byte(tmp_path: Path) -> None:
+    path = tmp_path / "pipelines.yaml"
+    path.write_bytes(b"version: 1\npipelines:\n  p:\n    description: caf\xe9\n")
+    with pytest.raises(ConfigError) as err:
+        load_pipeline("p", path)
+    assert err.value.problems == [("", "not UTF-8 text: byte 0xe9 at line 4, column 21; save the file as UTF-8")]
+
+
+def test_values_from_set_are_named_as_such_not_by_a_file_line(tmp_path: Path) -> None:
+    """A --set value is reported as coming from the command line, and the task is built at load when
+    --set changed it: a missing data file is found before any stage runs."""
+    path = write(tmp_path, {"p": minimal(task={"name": "code", "params": {"max_tests": 4}})})
+    with pytest.raises(ConfigError) as err:
+        load_pipeline("p", path, overrides={"task.params.source": "missing/problems.jsonl"})
+    (key, msg), = err.value.problems
+    assert key == "pipelines.p.task.params.source (from --set)" and "does not exist" in msg
+    assert "with --set" in str(err.value)
+    cfg = load_pipeline("p", path, overrides={"task.params.max_tests": 3})
+    (key, _), = cfg.problem(("task", "params", "max_tests"), "too few").problems
+    assert key == "pipelines.p.task.params.max_tests (from --set)"
+    (key, _), = cfg.problem(("task", "name"), "x").problems
+    assert key.startswith("pipelines.p.task.name (line ")
+
+
+def test_explicit_settings_are_small_and_round_trip_through_params(tmp_path: Path) -> None:
+    """params.yaml holds what a variant sets (not TRL's defaults), arms apart from their runs."""
+    from vpo.pipeline.config import load_variant
+    from vpo.pipeline.dvcgen import params_yaml_text
+
+    path = write(tmp_path, {"p": minimal(trainer={"top_p": 0.9}, quick={"trainer": {"max_steps": 2}})})
+    params = tmp_path / "params.yaml"
+    params.write_text(params_yaml_text(path, ["p-quick"]))
+    entry = yaml.safe_load(params.read_text())["p-quick"]
+    assert entry["trainer"] == {"max_steps": 2, "top_p": 0.9}
+    assert entry["arms"] == {"grpo": {"estimator": "grpo"}, "vpo": {"estimator": "vpo", "num_answers": 3}}
+    assert "runs" not in entry and "description" not in entry and "None" not in params.read_text()
+    cfg = load_variant("p-quick", params, config_path=path)
+    assert cfg.settings() == load_pipeline("p", path, quick=True).settings()
+    assert cfg.trainer.lr_scheduler_type == "constant" and cfg.settings()["trainer"]["lr_scheduler_type"] == "constant"
+
+
+# --------------------------------------------------------------------------- start-up errors through the CLI
+
+
+def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[Any, str]:
+    """``vpo ARGV`` in this process: (exit code, stderr)."""
+    from vpo.pipeline.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    return code, capsys.readouterr().err
+
+
+def _one_error_line(err: str, *fragments: str) -> None:
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    for fragment in fragments:
+        assert fragment in err, (fragment, err)
+
+
+@pytest.mark.parametrize("argv", [["run", "--quick"], ["stage", "data"], ["flow"], ["pipelines"], ["dvc"],
+                                  ["stage", "data", "--variant", "route-quick"]])
+def test_a_non_utf8_pipelines_yaml_is_one_error_line_everywhere(tmp_path: Path, argv: list[str],
+                                                                capsys: pytest.CaptureFixture[str],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "pipelines.yaml").write_bytes(b"version: 1\npipelines:\n  route:\n    description: caf\xe9\n")
+    (tmp_path / "params.yaml").write_bytes(b"route-quick:\n  seed: \xff\n")
+    monkeypatch.chdir(tmp_path)
+    code, err = _cli(argv, capsys)
+    assert code == 2
+    _one_error_line(err, "not UTF-8 text: byte 0x")
+
+
+def test_registry_with_its_url_does_not_read_pipelines_yaml(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "pipelines.yaml").write_bytes(b"version: 1\npipelines:\n  route: {description: caf\xe9}\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("VPO_REGISTRY", raising=False)
+    import vpo.pipeline.config as config_module
+
+    def no_read(*args: Any, **kw: Any) -> Any:
+        raise AssertionError("pipelines.yaml was read although --registry names the registry")
+
+    monkeypatch.setattr(config_module, "load_pipeline", no_read)
+    (tmp_path / "reg").mkdir()
+    code, err = _cli(["registry", "--registry", str(tmp_path / "reg"), "list"], capsys)
+    assert code == 0 and "error" not in err, err
+
+
+@pytest.mark.parametrize("where", ["lock", "log"])
+def test_a_full_disk_at_start_is_one_error_line(tmp_path: Path, where: str, capsys: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """No space for the run lock's record or the command's log file: exit 2, "disk full at <path>"."""
+    import builtins
+    import errno
+    import os
+
+    path = write(tmp_path, {"route": minimal(quick={"trainer": {"max_steps": 2}})})
+    monkeypatch.chdir(tmp_path)
+    if where == "lock":
+        def pwrite(*args: Any, **kw: Any) -> Any:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(os, "pwrite", pwrite)
+    else:
+        real_open = builtins.open
+
+        def full_open(file: Any, *args: Any, **kw: Any) -> Any:
+            if str(file).endswith(".log"):
+                raise OSError(errno.ENOSPC, "No space left on device", str(file))
+            return real_open(file, *args, **kw)
+
+        monkeypatch.setattr(builtins, "open", full_open)
+    code, err = _cli(["run", "--quick", "--config", str(path)], capsys)
+    assert code == 2
+    _one_error_line(err, "error: disk full at ", "No space left on device", "free space and run `vpo run --quick")
+    expected = tmp_path / "runs" / "route-quick" / ("logs" if where == "log" else "")
+    assert f"disk full at {expected}" in err
+
+
+def test_a_bad_set_task_source_fails_at_load_naming_the_command_line(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(tmp_path, {"p": minimal(task={"name": "code", "params": {"max_tests": 4}})})
+    code, err = _cli(["stage", "data", "--config", str(path), "--pipeline", "p", "--set",
+                      "task.params.source=nope.jsonl"], capsys)
+    assert code == 2
+    _one_error_line(err, "pipelines.p.task.params.source (from --set)", "nope.jsonl does not exist")
+    assert "(line " not in err and "running" not in err

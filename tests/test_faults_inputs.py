@@ -109,7 +109,7 @@ def _edit_yaml(config: Path, edit: str) -> None:
 @pytest.mark.parametrize(
     ("edit", "fragments"),
     [
-        ("unknown_key", ["pipelines.route.trainer.stepz (line ", "unknown key; allowed keys: max_steps,"]),
+        ("unknown_key", ["pipelines.route.trainer.stepz (line ", "unknown key; did you mean max_steps"]),
         ("wrong_type", ["pipelines.route.trainer.max_steps (line ", "expected a valid integer", "'many'"]),
         (
             "missing_model",
@@ -135,8 +135,9 @@ def test_malformed_pipelines_yaml(work: Work, edit: str, fragments: list[str]) -
 @pytest.mark.parametrize(
     ("setting", "fragments"),
     [
-        ("trainer.stepz=3", ["pipelines.route.trainer.stepz: unknown key"]),
-        ("trainer.max_steps=-1", ["pipelines.route.trainer.max_steps: expected greater than 0, got -1 (int)"]),
+        ("trainer.stepz=3", ["pipelines.route.trainer.stepz (from --set): unknown key"]),
+        ("trainer.max_steps=-1", ["pipelines.route.trainer.max_steps (from --set): expected greater than 0, got -1 "
+                                  "(int)"]),
         ("trainer.max_steps", ["--set expects KEY=VALUE, got 'trainer.max_steps'"]),
     ],
 )

@@ -1022,7 +1022,7 @@ def _parse(path: str | os.PathLike[str]) -> _Loaded:
     p = Path(path).expanduser()
     if not p.is_file():
         raise ConfigError(p, None, [("", f"file not found (looked for {p.resolve()})")])
-    text = read_text(p)
+    text = read_text(p.resolve())
     try:
         root = yaml.compose(text, Loader=_Loader)
         data = load_yaml(text)

@@ -532,13 +532,15 @@ def _card_facts(entry: RegistryEntry) -> dict[str, Any]:
     arms = params.get("arms")
     if isinstance(arms, list):
         arm_cfg = next((a for a in arms if isinstance(a, Mapping) and a.get("name") == arm_name), None)
+    elif isinstance(arms, Mapping):  # settings() form: arms keyed by name, each with what it sets itself
+        arm_cfg = arms.get(arm_name) if isinstance(arms.get(arm_name), Mapping) else None
     arm_cfg = arm_cfg or {}
     return {
         "task": lin.get("task") or _dig(params, "task", "name"),
         "estimator": lin.get("estimator") or arm_cfg.get("estimator"),
         "m": lin.get("m", lin.get("num_answers", arm_cfg.get("num_answers", arm_cfg.get("m")))),
         "K": lin.get("K", lin.get("num_weights", _dig(params, "trainer", "num_weights"))),
-        "G": lin.get("num_generations", arm_cfg.get("num_generations")),
+        "G": lin.get("num_generations", arm_cfg.get("num_generations", _dig(params, "trainer", "num_generations"))),
         "seed": lin.get("seed"),
         "pipeline": lin.get("pipeline") or params.get("name"),
         "quick": lin.get("quick"),
