@@ -504,8 +504,7 @@ def test_arms_take_any_field_and_inherit_the_trainers(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("trainer", "key", "fragment"), [
     ({"seed": 3}, "trainer.seed", "set by the pipeline, not in the config: set per run from arms.<name>.seeds"),
     ({"hub_token": "hf_x"}, "trainer.hub_token", "a secret: give it as HF_TOKEN in the environment"),
-    ({"prompts_per_step": 8}, "trainer.prompts_per_step", "unknown key: now per_device_train_batch_size, TRL's "
-                                                          "completions per device per micro-step"),
+    ({"prompts_per_step": 8}, "trainer.prompts_per_step", "unknown key: now per_device_train_batch_size, TRL's"),
     ({"top_p": "high"}, "trainer.top_p", "expected a valid number, got 'high' (str)"),
     ({"gradient_checkpointing": 1}, "trainer.gradient_checkpointing", "expected a valid boolean, got 1 (int)"),
     ({"lr_scheduler_type": "cosin"}, "trainer.lr_scheduler_type", "expected 'linear', 'cosine',"),

@@ -136,8 +136,7 @@ def test_malformed_pipelines_yaml(work: Work, edit: str, fragments: list[str]) -
     ("setting", "fragments"),
     [
         ("trainer.stepz=3", ["pipelines.route.trainer.stepz (from --set): unknown key"]),
-        ("trainer.max_steps=-1", ["pipelines.route.trainer.max_steps (from --set): expected greater than 0, got -1 "
-                                  "(int)"]),
+        ("trainer.max_steps=-1", ["pipelines.route.trainer.max_steps (from --set): expected greater than 0"]),
         ("trainer.max_steps", ["--set expects KEY=VALUE, got 'trainer.max_steps'"]),
     ],
 )
