@@ -193,3 +193,21 @@ def test_gpu_settings_fail_clearly_on_a_cpu_machine(tmp_path: Path, trainer: dic
     cfg = _pipeline(tmp_path, trainer=trainer, arms=arms or [{"name": "g", "estimator": "grpo"}])
     with pytest.raises(StageError, match=re.escape(fragment)):
         check_hardware(cfg)
+
+
+def test_a_world_size_other_than_planned_is_one_error(tmp_path: Path) -> None:
+    """accelerate starts one process for a MULTI_CPU config without MPI: the run refuses instead of
+    training a batch other than the one it stated."""
+    from vpo.pipeline.context import StageContext
+    from vpo.pipeline.errors import StageError
+    from vpo.pipeline.layout import RunLayout
+    from vpo.pipeline.stages.train import _check_world
+
+    (tmp_path / "accel.yaml").write_text(yaml.safe_dump({"distributed_type": "MULTI_CPU", "num_processes": 2}))
+    cfg = _pipeline(tmp_path, trainer={"accelerate_config": "accel.yaml", "per_device_train_batch_size": 8,
+                                       "num_generations": 4})
+    ctx = StageContext(cfg, RunLayout.of(cfg), "train", ArmRun(cfg.arm("v"), 0))
+    _check_world(ctx, 2)
+    with pytest.raises(StageError, match=r"v-s0: 1 process\(es\) train this run, but its batch was planned for 2 "
+                                         r"\(num_processes of trainer.accelerate_config accel.yaml\)"):
+        _check_world(ctx, 1)

@@ -302,3 +302,85 @@ def test_no_none_metric_reaches_a_logger(tmp_path: Path, model_dir: Path) -> Non
     # is the w*-best row TRL sees, where an unparsed rollout scores 0 (so it is 0, never None)
     assert not any(k.startswith("vpo/dim/") for rec in steps for k in rec)
     assert all(rec[k] == 0.0 for rec in steps for k in rec if k.startswith("rewards/has_") and k.endswith("/mean"))
+
+
+def test_lora_through_trl_trains_the_adapter_and_merges_into_the_base(tmp_path: Path, model_dir: Path) -> None:
+    """A peft config reaches TRL's GRPOTrainer through VPOTrainer: only adapter weights train, the loss
+    is not zero, and the merged model differs from the base where the adapter sits."""
+    from peft import LoraConfig, PeftModel
+
+    from vpo.trainer import VPOTrainer
+
+    torch.manual_seed(0)
+    model, tok = _load(model_dir)
+    base = {n: p.detach().clone() for n, p in model.named_parameters()}
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = VPOTrainer(model=model, reward=LetterReward(), args=config(tmp_path, max_steps=3, learning_rate=5e-2),
+                         train_dataset=toy_dataset(8), processing_class=tok, peft_config=lora)
+    assert isinstance(trainer.model, PeftModel)
+    adapters = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_B" in n}
+    trainer.train()
+    losses = [rec["loss"] for rec in trainer.state.log_history if "loss" in rec]
+    assert losses and any(abs(x) > 0 for x in losses), losses
+    moved = [n for n, p in trainer.model.named_parameters() if "lora_B" in n and not torch.equal(adapters[n], p)]
+    assert moved, "no adapter weight moved"
+    frozen = [n for n, p in trainer.model.named_parameters() if "lora_" not in n and p.requires_grad]
+    assert frozen == [], "base weights were trainable"
+    merged = trainer.model.merge_and_unload()
+    changed = {n for n, p in merged.named_parameters() if not torch.equal(base[n], p.detach())}
+    assert changed and all(("q_proj" in n or "v_proj" in n) and n.endswith("weight") for n in changed), changed
+
+
+@pytest.mark.timeout(900)
+def test_lora_run_resumes_from_its_checkpoints_and_publishes_the_merged_model(
+        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The train stage with trainer.lora: checkpoints hold the adapter; a run killed inside a save resumes
+    from the last intact one, a run killed while publishing publishes its last checkpoint merged onto the
+    base, and both end with the same merged model (a plain HF folder), the adapter beside it."""
+    import signal
+
+    from safetensors.torch import load_file
+
+    from tests.test_faults_support import RUN_NAME, copy_prepared, prepared_run, start_wrapper, wait_for
+
+    args = ["stage", "train", "--quick", "--config", "pipelines.yaml", "--arm", "vpo", "--seed", "0",
+            "--set", "trainer.max_steps=6", "--set", "trainer.save_steps=2", "--set", "arms.vpo.max_completion_length=32",
+            "--set", "trainer.lora={r: 4, alpha: 8, save_adapter: true}", "--set", "trainer.learning_rate=0.01"]
+    prepared = prepared_run(tmp_path_factory.getbasetemp(), task="faulttoy")
+    runs = {name: copy_prepared(prepared, tmp_path / name).parent for name in ("killed_in_save", "killed_in_publish")}
+    markers = {name: tmp_path / f"{name}.paused" for name in runs}
+    procs = {
+        "killed_in_save": start_wrapper(args, runs["killed_in_save"], tmp_path / "a.log", pause_in_save=4,
+                                        marker=markers["killed_in_save"]),
+        "killed_in_publish": start_wrapper(args, runs["killed_in_publish"], tmp_path / "b.log", pause_in_publish=True,
+                                           marker=markers["killed_in_publish"]),
+    }
+    for name, proc in procs.items():
+        wait_for(markers[name], proc, 600, tmp_path / ("a.log" if name == "killed_in_save" else "b.log"))
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(30) == -signal.SIGKILL
+    arm = {name: folder / "runs" / RUN_NAME / "arms" / "vpo-s0" for name, folder in runs.items()}
+    checkpoint = arm["killed_in_save"] / "trainer" / "checkpoint-2"
+    assert (checkpoint / "adapter_model.safetensors").is_file() and not (checkpoint / "model.safetensors").exists()
+    logs = {}
+    for name, log in (("killed_in_save", "a2.log"), ("killed_in_publish", "b2.log")):
+        proc = start_wrapper(args, runs[name], tmp_path / log)
+        assert proc.wait(600) == 0, (tmp_path / log).read_text()[-3000:]
+        logs[name] = (tmp_path / log).read_text()
+    assert "resuming from checkpoint-2 (step 2 of 6)" in logs["killed_in_save"]
+    assert "checkpoint-6 is at the requested 6 steps; publishing its weights" in logs["killed_in_publish"]
+    weights = {}
+    for name, folder in arm.items():
+        model = folder / "model"
+        assert not (model / "adapter_config.json").exists() and (folder / "adapter" / "adapter_config.json").is_file()
+        weights[name] = load_file(str(model / "model.safetensors"))
+        assert not any("lora" in k for k in weights[name])
+        metrics = json.loads((folder / "metrics.json").read_text())
+        assert metrics["merged"] is True and metrics["lora"]["r"] == 4 and metrics["lora"]["save_adapter"] is True
+        assert not (folder / "trainer").exists()
+    base = load_file(str(runs["killed_in_save"] / "runs" / RUN_NAME / "base" / "model.safetensors"))
+    a, b = weights["killed_in_save"], weights["killed_in_publish"]
+    assert sorted(a) == sorted(b) == sorted(base)
+    assert any(not torch.equal(a[k], base[k]) for k in base), "the merged model equals the base"
+    diff = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert diff == 0.0, f"resumed and republished merged models differ by {diff}"

@@ -389,6 +389,7 @@ def train(ctx: StageContext) -> dict[str, Any]:
         trainer = VPOTrainer(model=model, reward=RowDecodingReward(ctx.task.reward), args=args,
                              train_dataset=dataset, processing_class=tok, callbacks=callbacks,
                              peft_config=peft_config(cfg))
+    _check_world(ctx, trainer.accelerator.num_processes)
     trainer.remove_callback(PrinterCallback)  # ConsoleProgressCallback shows the numbers that matter
     trainer.remove_callback(ProgressCallback)
     if resume is not None:
@@ -416,6 +417,21 @@ def train(ctx: StageContext) -> dict[str, Any]:
     lora_model = trainer.accelerator.unwrap_model(trainer.model) if cfg.trainer.lora is not None else None
     return _publish(ctx, trainer.save_model, tok, trainer.state.log_history, elapsed, resume.name if resume else None,
                     measured, peft_model=lora_model)
+
+
+def _check_world(ctx: StageContext, world: int) -> None:
+    """The processes actually training are the ones the batch was planned (and stated) for; else one
+    error naming where the planned world size came from."""
+    cfg = ctx.cfg
+    planned = batch_plan(cfg, ctx.arm_run.arm).world
+    if world == planned:
+        return
+    source = (f"num_processes of trainer.accelerate_config {cfg.trainer.accelerate_config}"
+              if cfg.trainer.accelerate_config else "WORLD_SIZE")
+    raise StageError(
+        f"{ctx.arm_run.rid}: {world} process(es) train this run, but its batch was planned for {planned} ({source}); "
+        "accelerate starts a single process for distributed_type MULTI_CPU without an MPI hostfile: for several CPU "
+        "processes use distributed_type MULTI_GPU with use_cpu: true (launched through torchrun)")
 
 
 def _launch(ctx: StageContext, argv: Sequence[str]) -> dict[str, Any]:
