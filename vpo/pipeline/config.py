@@ -7,10 +7,17 @@ The file holds named pipelines::
     pipelines:
       route: {task: ..., model: ..., arms: [...], trainer: ..., quick: {...}}
 
-Every section is a strict pydantic model (``extra="forbid"``). Any problem — an unknown key, a
-wrong type, a missing local file — is collected and raised as ONE :class:`ConfigError` naming the
-file, the pipeline, each dotted key path (with its YAML line) and what was expected, before any
-work starts. Loading imports nothing heavy: no tasks, torch, Prefect or DVC.
+Every section is a strict pydantic model (``extra="forbid"``). Any problem — an unknown key (with
+the closest names), a wrong type, a missing local file, a file that is not UTF-8 — is collected and
+raised as ONE :class:`ConfigError` naming the file, the pipeline, each dotted key path (with its
+YAML line, or "from --set" for a command-line value) and what was expected, before any work starts.
+Loading imports nothing heavy: no Prefect, DVC, transformers or TRL.
+
+``trainer:`` and each arm take any field of :class:`vpo.trainer.VPOConfig` (TRL's GRPOConfig plus the
+estimator's), typed from the dataclass's generated field table (:mod:`vpo.pipeline.settings`); an
+arm's value wins over the trainer's (resolved when the pipeline loads), and what a run ends up with
+is checked here too (estimator-specific settings, TRL's batch divisibility on the world size). YAML is
+read with numbers in exponent form (``1e-4``) as numbers, in the file and in ``--set`` values.
 
 ``quick:`` inside a pipeline is a partial mapping deep-merged on top of it when loading with
 ``quick=True`` (tests, smoke runs). Mappings merge key by key, other values are replaced, and a
@@ -387,7 +394,6 @@ class _TrainerBase(_Strict):
         return self
 
 
-
 TrainerConfig = create_model(  # every VPOConfig field, validated by its own type (see vpo.pipeline.settings)
     "TrainerConfig", __base__=_TrainerBase, __module__=__name__,
     __doc__="RL trainer settings shared by all arms: any field of :class:`vpo.trainer.VPOConfig` (TRL's GRPOConfig "
@@ -555,7 +561,7 @@ class PipelineConfig(_Strict):
     _source_file: Path | None = PrivateAttr(default=None)
     _quick: bool = PrivateAttr(default=False)
     _loaded: Any = PrivateAttr(default=None)  # the parsed file, for line numbers in later errors
-    _origin: str = PrivateAttr(default="base")  # base | quick | command-line | params
+    _origin: str = PrivateAttr(default="base")  # base | quick | params (command-line values: _overrides)
     _cli: tuple[str, ...] = PrivateAttr(default=())  # the `vpo` arguments that load this same config
     _raw: dict[str, Any] = PrivateAttr(default_factory=dict)  # the body validated (what overrides merge onto)
     _overrides: tuple[str, ...] = PrivateAttr(default=())  # dotted keys given with --set
