@@ -312,12 +312,12 @@ class BatchPlan:
     def describe(self) -> str:
         """One console line: per optimizer step, per generation round."""
         g = self.generations
-        step = (f"{self.completions_per_step} completions = {_number(self.prompts_per_step)} prompts x {g} "
+        step = (f"{self.completions_per_step} completions = {_number(self.prompts_per_step)} prompts x {g} rollouts "
                 f"({self.world} process{'es' if self.world != 1 else ''} x {self.per_device} per device x "
                 f"{self.accumulation} accumulation)")
-        rnd = (f"{self.completions_per_round} completions = {_number(self.prompts_per_round)} prompts x {g}, feeding "
-               f"{_number(self.steps_per_round)} optimizer step(s)")
-        return f"per optimizer step {step}; per generation round {rnd}"
+        rnd = (f"{self.completions_per_round} completions = {_number(self.prompts_per_round)} prompts x {g} rollouts, "
+               f"for {_number(self.steps_per_round)} optimizer step(s)")
+        return f"per optimizer step: {step}; per generation round: {rnd}"
 
 
 def _number(x: float) -> float | int:
