@@ -610,7 +610,7 @@ def test_overrides_reach_every_stage_and_leave_dvc_mode(tmp_path: Path) -> None:
     assert "trainer.max_steps=7" in plan.register_argv
     from vpo.pipeline.config import ConfigError
 
-    with pytest.raises(ConfigError, match=r"trainer.max_step: unknown key"):
+    with pytest.raises(ConfigError, match=r"trainer.max_step \(from --set\): unknown key; did you mean max_steps"):
         fplan.make_plan("route", True, REPO / "pipelines.yaml", {"trainer.max_step": 7})
 
 
