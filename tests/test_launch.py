@@ -41,10 +41,10 @@ def test_train_stage_runs_under_accelerate_launch(tmp_path: Path, tmp_path_facto
     history = [r for r in json.loads((arm / "history.json").read_text()) if "loss" in r]
     assert [r["step"] for r in history] == [1, 2]
     # stated: quick route, per_device_train_batch_size 8, G 4, 2 processes -> 16 completions = 4 prompts
-    stated = re.search(r"vpo-s0: batch per optimizer step: (\d+) completions = (\d+) prompts x 4 rollouts \(2 "
+    stated = re.search(r"vpo-s0: batch (\d+) prompts x 4 rollouts = (\d+) completions per optimizer step \(2 "
                        r"processes x 8 per device x 1 accumulation\)", proc.stdout)
     assert stated, proc.stdout[-3000:]
-    completions, prompts = int(stated.group(1)), int(stated.group(2))
+    prompts, completions = int(stated.group(1)), int(stated.group(2))
     assert (completions, prompts) == (16, 4)
     batch = json.loads((arm / "metrics.json").read_text())["batch"]
     assert (batch["world_size"], batch["prompts_per_optimizer_step"]) == (2, prompts)

@@ -154,9 +154,9 @@ def test_batch_divisibility_is_checked_on_the_world_size(tmp_path: Path, world: 
         cfg = _pipeline(tmp_path, trainer=trainer)
         plan = batch_plan(cfg, cfg.arm("v"))
         assert (plan.world, plan.completions_per_step, plan.prompts_per_step) == (2, 4, 1)
-        assert plan.describe() == ("per optimizer step: 4 completions = 1 prompts x 4 rollouts (2 processes x 2 per "
-                                   "device x 1 accumulation); per generation round: 4 completions = 1 prompts x 4 "
-                                   "rollouts, for 1 optimizer step(s)")
+        assert plan.describe() == ("1 prompts x 4 rollouts = 4 completions per optimizer step (2 processes x 2 per "
+                                   "device x 1 accumulation); 1 prompts = 4 completions per generation round, for 1 "
+                                   "step(s)")
         return
     with pytest.raises(C.ConfigError) as err:
         _pipeline(tmp_path, trainer=trainer)

@@ -310,14 +310,12 @@ class BatchPlan:
                 "optimizer_steps_per_generation_round": _number(self.steps_per_round)}
 
     def describe(self) -> str:
-        """One console line: per optimizer step, per generation round."""
-        g = self.generations
-        step = (f"{self.completions_per_step} completions = {_number(self.prompts_per_step)} prompts x {g} rollouts "
-                f"({self.world} process{'es' if self.world != 1 else ''} x {self.per_device} per device x "
-                f"{self.accumulation} accumulation)")
-        rnd = (f"{self.completions_per_round} completions = {_number(self.prompts_per_round)} prompts x {g} rollouts, "
-               f"for {_number(self.steps_per_round)} optimizer step(s)")
-        return f"per optimizer step: {step}; per generation round: {rnd}"
+        """One console line: prompts and completions per optimizer step and per generation round."""
+        processes = f"{self.world} process{'es' if self.world != 1 else ''}"
+        return (f"{_number(self.prompts_per_step)} prompts x {self.generations} rollouts = {self.completions_per_step} "
+                f"completions per optimizer step ({processes} x {self.per_device} per device x {self.accumulation} "
+                f"accumulation); {_number(self.prompts_per_round)} prompts = {self.completions_per_round} completions "
+                f"per generation round, for {_number(self.steps_per_round)} step(s)")
 
 
 def _number(x: float) -> float | int:
