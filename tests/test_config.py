@@ -668,3 +668,31 @@ def test_a_bad_set_task_source_fails_at_load_naming_the_command_line(tmp_path: P
     assert code == 2
     _one_error_line(err, "pipelines.p.task.params.source (from --set)", "nope.jsonl does not exist")
     assert "(line " not in err and "running" not in err
+
+
+@pytest.mark.parametrize("override", ["route-quick.trainer.max_steps=7", "route-quick.task.params.n_walls=[1,3]",
+                                      "route-quick.arms.vpo.max_completion_length=90",
+                                      "+route-quick.trainer.top_p=0.9", "route-quick.trainer.learning_rate=1e-5"])
+def test_dvcs_own_rewrite_of_params_yaml_changes_one_line(tmp_path: Path, override: str) -> None:
+    """`dvc exp run -S` rewrites params.yaml with DVC's YAML round trip: the committed file is laid out
+    the way it writes back, so one changed value is a one-line diff (a new key: one added line)."""
+    import difflib
+
+    from dvc.utils.hydra import apply_overrides
+
+    from vpo.pipeline.config import load_variant, load_yaml
+
+    committed = (REPO / "params.yaml").read_text(encoding="utf-8")
+    params = tmp_path / "params.yaml"
+    params.write_text(committed, encoding="utf-8")
+    (tmp_path / "pipelines.yaml").write_text(PIPELINES.read_text(encoding="utf-8"), encoding="utf-8")
+    apply_overrides(str(params), [override])
+    diff = [ln for ln in difflib.unified_diff(committed.splitlines(), params.read_text(encoding="utf-8").splitlines(),
+                                              lineterm="", n=0) if ln[:1] in "+-" and ln[:3] not in ("+++", "---")]
+    assert len(diff) == (1 if override.startswith("+") else 2), diff
+    cfg = load_variant("route-quick", params, config_path=tmp_path / "pipelines.yaml")  # and it still loads
+    key, value = override.lstrip("+").split("=")
+    node: Any = cfg.settings()
+    for part in key.split(".")[1:]:
+        node = node[part]
+    assert node == load_yaml(value)  # DVC writes 1e-05, which YAML 1.1 alone would read as a string
