@@ -513,6 +513,8 @@ def test_arms_take_any_field_and_inherit_the_trainers(tmp_path: Path) -> None:
     ({"num_generations": 1}, "trainer.num_generations", "expected greater than or equal to 2"),
     ({"top_p": float("nan")}, "trainer.top_p", "expected a finite number"),
     ({"weight_sampler": "grid"}, "trainer.weight_sampler", "expected 'dirichlet' or 'sobol'"),
+    ({"loss_type": "ppo"}, "trainer.loss_type", "expected 'grpo', 'dr_grpo', 'dapo', 'bnpo', 'cispo', 'sapo', 'luspo'"),
+    ({"estimator": "vpo"}, "trainer.estimator", "a setting of each arm: arms.<name>.estimator"),
     ({"parallelism_config": {"dp": 2}}, "trainer.parallelism_config", "a Python object, it cannot be set"),
 ])
 def test_vpoconfig_fields_are_typed_by_the_dataclass(tmp_path: Path, trainer: dict[str, Any], key: str,

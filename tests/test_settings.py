@@ -213,3 +213,16 @@ def test_a_world_size_other_than_planned_is_one_error(tmp_path: Path) -> None:
     with pytest.raises(StageError, match=r"v-s0: 1 process\(es\) train this run, but its batch was planned for 2 "
                                          r"\(num_processes of trainer.accelerate_config accel.yaml\)"):
         _check_world(ctx, 1)
+
+
+def test_a_value_trl_refuses_is_one_stage_error_before_any_model_loads(tmp_path: Path) -> None:
+    from vpo.pipeline.context import StageContext
+    from vpo.pipeline.errors import StageError
+    from vpo.pipeline.layout import RunLayout
+    from vpo.pipeline.stages.train import train
+
+    cfg = _pipeline(tmp_path, trainer={"auto_find_batch_size": True})
+    ctx = StageContext(cfg, RunLayout.of(cfg), "train", ArmRun(cfg.arm("v"), 0))
+    with pytest.raises(StageError, match=r"v-s0: TRL's GRPOConfig / VPOConfig rejected the settings of arm 'v' in "
+                                         r"pipeline 'p': auto_find_batch_size is not supported by GRPO"):
+        train(ctx)

@@ -61,12 +61,26 @@ class ParseRateError(RuntimeError):
 warnings.simplefilter("always", LowParseRateWarning)  # one per step, never folded into the first
 
 
+def _trl_field(name: str, choices: Sequence[str]) -> Any:
+    """GRPOConfig's field ``name`` (same default and help) with the values TRL 1.16 accepts declared as
+    ``choices``: TRL checks them only deep inside training, a config loader can check them up front."""
+    parent = GRPOConfig.__dataclass_fields__[name]
+    return field(default=parent.default, metadata={**parent.metadata, "choices": list(choices)})
+
+
 @dataclass
 class VPOConfig(GRPOConfig):
     """GRPOConfig plus the advantage estimator and its settings (VPO_SPEC 1.4-1.5, 6). Bounds and choices
-    are declared in each field's metadata (``ge``/``gt``/``le``, ``choices``): checked here and, without
-    importing TRL, when a pipeline config loads (:mod:`vpo.pipeline.settings`)."""
+    are declared in each field's metadata (``ge``/``gt``/``le``, ``choices``; for a few of TRL's string
+    fields too): checked here and, without importing TRL, when a pipeline config loads
+    (:mod:`vpo.pipeline.settings`)."""
 
+    loss_type: str = _trl_field("loss_type", ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"))
+    scale_rewards: str = _trl_field("scale_rewards", ("group", "batch", "none"))
+    multi_objective_aggregation: str = _trl_field("multi_objective_aggregation",
+                                                  ("sum_then_normalize", "normalize_then_sum"))
+    importance_sampling_level: str = _trl_field("importance_sampling_level", ("token", "sequence"))
+    vllm_mode: str = _trl_field("vllm_mode", ("colocate", "server"))
     estimator: str = field(default="vpo", metadata={"help": "Registered advantage estimator (vpo, grpo, gdpo, ...)."})
     num_answers: int = field(default=3, metadata={"help": "m: answers per rollout (1 = single-answer format).",
                                                   "ge": 1})
@@ -100,12 +114,11 @@ class VPOConfig(GRPOConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         get_estimator(self.estimator)  # unknown names fail here, before any model is loaded
-        for f in fields(self):  # the bounds and choices VPO's own fields declare
-            if f.name not in _VPO_FIELDS:
-                continue
+        for f in fields(self):  # the bounds and choices the fields declare
             value, meta = getattr(self, f.name), f.metadata
-            if value is None:
+            if value is None or not {"choices", "ge", "gt", "le"} & set(meta):
                 continue
+            value = getattr(value, "value", value)  # TRL turns some strings into enums
             if "choices" in meta and value not in meta["choices"]:
                 raise ValueError(f"{f.name} must be one of {', '.join(map(repr, meta['choices']))}, got {value!r}")
             for bound, ok, word in (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
@@ -123,8 +136,6 @@ class VPOConfig(GRPOConfig):
         if self.max_at_k_k is not None and self.estimator.lower() != "max_at_k":
             raise ValueError(f"max_at_k_k only applies to the 'max_at_k' estimator, not {self.estimator!r}")
 
-
-_VPO_FIELDS = frozenset(f.name for f in fields(VPOConfig)) - frozenset(f.name for f in fields(GRPOConfig))
 
 
 def completion_text(completion: Any) -> str:

@@ -398,7 +398,7 @@ TrainerConfig = create_model(  # every VPOConfig field, validated by its own typ
     "TrainerConfig", __base__=_TrainerBase, __module__=__name__,
     __doc__="RL trainer settings shared by all arms: any field of :class:`vpo.trainer.VPOConfig` (TRL's GRPOConfig "
             "plus the estimator's) under its own name, plus the pipeline's own (see :mod:`vpo.pipeline.settings`).",
-    **_vpo_fields(exclude=list(_TrainerBase.model_fields)),
+    **_vpo_fields(exclude=[*_TrainerBase.model_fields, "estimator"]),  # each arm is one estimator
 )
 
 

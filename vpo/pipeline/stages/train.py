@@ -385,10 +385,14 @@ def train(ctx: StageContext) -> dict[str, Any]:
                                                    report=None)))
     dataset = _dataset(ctx, load_rows(cfg, "train", layout), tok)
     _check_prompt_lengths(ctx, tok, dataset)
-    with _tracker_dirs(ctx):
-        trainer = VPOTrainer(model=model, reward=RowDecodingReward(ctx.task.reward), args=args,
-                             train_dataset=dataset, processing_class=tok, callbacks=callbacks,
-                             peft_config=peft_config(cfg))
+    try:
+        with _tracker_dirs(ctx):
+            trainer = VPOTrainer(model=model, reward=RowDecodingReward(ctx.task.reward), args=args,
+                                 train_dataset=dataset, processing_class=tok, callbacks=callbacks,
+                                 peft_config=peft_config(cfg))
+    except ValueError as exc:  # a combination of settings TRL's trainer refuses (e.g. evaluation without data)
+        raise StageError(f"{rid}: TRL's GRPOTrainer rejected the settings of arm {run.arm.name!r} in pipeline "
+                         f"{cfg.name!r}: {str(exc).splitlines()[0]}") from None
     _check_world(ctx, trainer.accelerator.num_processes)
     trainer.remove_callback(PrinterCallback)  # ConsoleProgressCallback shows the numbers that matter
     trainer.remove_callback(ProgressCallback)
