@@ -662,13 +662,13 @@ class PipelineConfig(_Strict):
 
     def settings(self) -> dict[str, Any]:
         """The settings stage fingerprints read, as plain JSON data: every value of the pipeline's own
-        sections; of ``trainer`` what is set plus the pipeline's defaults, and of each enabled arm
-        (keyed by name, ``arms.<name>``) what it sets itself -- not the ~200 TRL defaults behind them,
-        nor the arms that do not run."""
+        sections; of ``trainer`` what is set plus the pipeline's own settings and defaults, and of each
+        enabled arm (keyed by name, ``arms.<name>``) what it sets itself -- not the ~200 TRL defaults
+        behind them, nor the arms that do not run."""
         from vpo.pipeline.settings import DEFAULTS
 
         data = self.model_dump(mode="json", exclude={"name", "description", "trainer", "arms"})
-        return self._ordered(data, _explicit(self.trainer, keep=DEFAULTS))
+        return self._ordered(data, _explicit(self.trainer, keep=[*_TrainerBase.model_fields, *DEFAULTS]))
 
     def explicit_settings(self) -> dict[str, Any]:
         """Only what the file, its quick preset and ``--set`` give, nulls that are defaults left out, of
@@ -873,13 +873,17 @@ def _unknown_key(owner: type[BaseModel] | None, key: str) -> str:
 def _closest(key: str, names: Sequence[str], n: int = 3) -> list[str]:
     """The names most like ``key`` (difflib's ratio, also against each run of a name's ``_``-separated
     words, so ``stpes`` finds ``max_steps`` and ``vllm_gpu_memory`` finds ``vllm_gpu_memory_utilization``)."""
-    def score(name: str) -> float:
+    def ratio(a: str, b: str) -> float:
+        return difflib.SequenceMatcher(None, a, b).ratio()
+
+    def scores(name: str) -> tuple[float, float]:
         parts = name.split("_")
         runs = ["_".join(parts[i:j]) for i in range(len(parts)) for j in range(i + 1, len(parts) + 1)]
-        return max(difflib.SequenceMatcher(None, key, r).ratio() - 0.01 * (r != name) for r in runs)
+        best = max(ratio(key, r) for r in runs)
+        return best, 0.7 * best + 0.3 * ratio(key, name)  # (close enough?, rank: the whole name counts too)
 
-    scored = sorted(((score(nm), nm) for nm in names), key=lambda x: -x[0])
-    return [nm for sc, nm in scored[:n] if sc >= 0.75]
+    scored = sorted(((*scores(nm), nm) for nm in names), key=lambda x: -x[1])
+    return [nm for best, _, nm in scored if best >= 0.75][:n]
 
 
 def _format_error(model: type[BaseModel], err: Mapping[str, Any]) -> str:
