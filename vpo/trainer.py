@@ -137,7 +137,6 @@ class VPOConfig(GRPOConfig):
             raise ValueError(f"max_at_k_k only applies to the 'max_at_k' estimator, not {self.estimator!r}")
 
 
-
 def completion_text(completion: Any) -> str:
     """TRL passes str completions for text prompts and message lists for chat prompts."""
     if isinstance(completion, str):
