@@ -19,7 +19,8 @@
   replaces an output atomically, resumes a matching checkpoint and discards other ones), so a ``dvc
   repro`` that meets a running ``vpo`` process's lock loses nothing.
 * Metrics (each variant's small ``eval/summary.json``) and plots (best@k curves per arm, the best@k
-  PNG, DVCLive training curves) are declared at top level.
+  PNG, DVCLive training curves) are declared at top level, and so is each arm run's final model as a
+  model artifact (``dvc artifacts get . route-quick-vpo-s0``; GTO versions and stages name it too).
 """
 
 from __future__ import annotations
@@ -155,6 +156,29 @@ def _input_paths(cfg: PipelineConfig, layout: RunLayout, step: Step) -> list[str
     return paths
 
 
+def _artifacts(cfg: PipelineConfig, layout: RunLayout) -> dict[str, Any]:
+    """One DVC model artifact per arm run: its final model folder (``dvc artifacts get . NAME``; GTO
+    versions and stages name it too). ``meta`` says where the run's metrics, lineage and git revision
+    are recorded: values that change with every run would make this generated file stale."""
+    from vpo.pipeline.graph import stage
+    from vpo.pipeline.registry import artifact_name
+
+    train = stage("train")
+    out = {}
+    for r in arm_runs(cfg):
+        out[artifact_name(cfg.variant, r.rid)] = {
+            "path": layout.arm_model(r.rid).as_posix(), "type": "model",
+            "desc": f"{cfg.variant}: the {r.arm.name} arm ({r.arm.estimator} advantages, m = {r.arm.num_answers}), "
+                    f"seed {r.seed}: final model of `dvc repro {Step(train, r).dvc_name(cfg.variant)}`",
+            "labels": list(dict.fromkeys([cfg.name, r.arm.name, r.arm.estimator])),
+            "meta": {"metrics": {"file": layout.eval_metrics.as_posix(), "key": f"runs.{r.rid}",
+                                 "train": layout.arm_metrics(r.rid).as_posix()},
+                     "lineage": {"stage": Step(train, r).dvc_name(cfg.variant), "base": layout.base.as_posix(),
+                                 "data": layout.data.as_posix(), "registry": cfg.storage.registry},
+                     "git_rev": "the commit a GTO version tag <name>@vX.Y.Z points at (`gto show <name>`)"}}
+    return out
+
+
 def _variant(cfg: PipelineConfig) -> tuple[dict[str, Any], list[Any], list[Any]]:
     """Stages, metrics and plots of one variant."""
     layout = RunLayout.relative(cfg)
@@ -199,12 +223,14 @@ def generate(config: str | Path = DEFAULT_PATH, names: Sequence[str] | None = No
     stages: dict[str, Any] = {}
     metrics: list[Any] = []
     plots: list[Any] = []
+    artifacts: dict[str, Any] = {}
     for cfg in variants(config, names):
         s, m, p = _variant(cfg)
         stages.update(s)
         metrics += m
         plots += p
-    return {"stages": stages, "metrics": metrics, "plots": plots}
+        artifacts.update(_artifacts(cfg, RunLayout.relative(cfg)))
+    return {"stages": stages, "metrics": metrics, "plots": plots, "artifacts": artifacts}
 
 
 def dvc_yaml_text(config: str | Path = DEFAULT_PATH, names: Sequence[str] | None = None) -> str:

@@ -1,0 +1,173 @@
+"""Model versions and stages as git tags (GTO), model bytes through DVC.
+
+A version is GTO's ``<artifact>@vX.Y.Z`` tag on a commit whose ``dvc.lock`` records the model: tagging
+needs that commit, so a registration tags HEAD only when HEAD's ``dvc.lock`` records exactly the
+weights being registered (otherwise it says why in one line and the entry stays unversioned). A stage
+is GTO's ``<artifact>#<stage>#N`` tag, so ``gto show``, DVC Studio and ``dvc artifacts get --stage``
+see what ``vpo registry promote`` did. Weights come back through DVC: ``dvc artifacts get`` for a
+versioned entry, DVC's cache and remote by each file's md5 otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from vpo.pipeline.registry.entries import Entry, FileRecord, RegistryError
+
+__all__ = ["assign", "fetch_with_dvc", "git_root", "git_state", "gto_state", "tag_version", "unversioned_because"]
+
+_MESSAGE = re.compile(r"vpo (\S+) (\S+): content sha256 ([0-9a-f]{64})")  # what tag_version writes
+
+
+def _git(root: Path, *args: str) -> str | None:
+    try:
+        proc = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def git_root(start: str | Path) -> Path | None:
+    """The git work tree holding ``start``; None outside one (or without git)."""
+    top = _git(Path(start), "rev-parse", "--show-toplevel")
+    return Path(top.strip()) if top else None
+
+
+def git_state(root: Path | None) -> tuple[str | None, bool | None]:
+    """(HEAD commit, whether tracked files have uncommitted changes); Nones outside a repository."""
+    rev = _git(root, "rev-parse", "--verify", "HEAD") if root else None
+    if rev is None:
+        return None, None
+    status = _git(root, "status", "--porcelain", "--untracked-files=no")
+    return rev.strip(), (bool(status.strip()) if status is not None else None)
+
+
+@contextlib.contextmanager
+def _dvc(root: Path, doing: str) -> Iterator[Any]:
+    from dvc.exceptions import DvcException
+    from dvc.repo import Repo
+
+    try:
+        with Repo(str(root)) as repo:
+            yield repo
+    except DvcException as exc:
+        raise RegistryError(f"DVC could not {doing}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+
+
+def unversioned_because(root: Path | None, path: str | None, files: Sequence[FileRecord]) -> str | None:
+    """None when HEAD's ``dvc.lock`` records exactly these model files at ``path`` (so a GTO version
+    tagged on HEAD gets these weights back); else why no version can be tagged."""
+    if root is None or path is None:
+        return "the project is not a git repository"
+    text = _git(root, "show", "HEAD:dvc.lock")
+    if text is None:
+        return "HEAD has no committed dvc.lock"
+    outs = [o for st in (yaml.safe_load(text) or {}).get("stages", {}).values() for o in st.get("outs", [])]
+    out = next((o for o in outs if path == o.get("path") or path.startswith(f"{o.get('path')}/")), None)
+    if out is None or not str(out.get("md5", "")).endswith(".dir"):
+        return f"HEAD's dvc.lock records no output holding {path}"
+    with _dvc(root, "read its cache") as repo:
+        listing_path = Path(repo.cache.local.oid_to_path(out["md5"]))
+    try:
+        listing = {d["relpath"]: d["md5"] for d in json.loads(listing_path.read_text())}
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"the DVC cache lacks the listing of {out['path']} that HEAD's dvc.lock records (`dvc pull` it)"
+    sub = path[len(out["path"]):].strip("/")
+    if any(listing.get(f"{sub}/{f.path}".lstrip("/")) != f.md5 for f in files):
+        return f"HEAD's dvc.lock records other weights for {path} (commit dvc.lock after the run)"
+    return None
+
+
+def gto_state(root: Path | None) -> dict[str, dict[str, Any]]:
+    """``{artifact: {"versions": {version: {"commit", "hash", "name", "arm", "created_at"}}, "stages": {stage:
+    version}}}``
+    from the repository's GTO tags; stages exactly as ``gto show`` reports them. Empty without git."""
+    if root is None:
+        return {}
+    from gto.api import show
+    from gto.registry import GitRegistry
+
+    try:
+        shown = show(str(root))
+        with GitRegistry.from_url(str(root)) as reg:
+            artifacts = reg.get_artifacts()
+    except Exception:  # noqa: BLE001 - no git, no tags, unreadable tags: the registry still works without GTO
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    for name, art in artifacts.items():
+        versions = {}
+        for v in art.versions:
+            if v.is_registered and v.is_active:
+                name, arm, digest = m.groups() if (m := _MESSAGE.search(v.message or "")) else (None, None, None)
+                versions[v.version] = {"commit": v.commit_hexsha, "hash": digest, "name": name,
+                                       "arm": None if arm == "None" else arm, "created_at": v.created_at.isoformat()}
+        stages = {s: ver for s, ver in (shown.get(name, {}).get("stage") or {}).items() if ver}
+        if versions or stages:
+            out[name] = {"versions": versions, "stages": stages}
+    return out
+
+
+def tag_version(root: Path, entry: Entry, rev: str) -> str:
+    """The GTO version of ``entry`` at commit ``rev``: the existing one, else a new tag (the message
+    carries the content hash, so a clone without the registry still knows what the version holds)."""
+    from gto.api import register
+
+    for version, info in gto_state(root).get(entry.artifact, {}).get("versions", {}).items():
+        if info["commit"] == rev:
+            if info["hash"] not in (None, entry.hash):
+                raise RegistryError(f"{entry.artifact} {version} at {rev[:12]} holds content {info['hash'][:12]}")
+            return version
+    try:
+        event = register(str(root), entry.artifact, rev,
+                         message=f"vpo {entry.name} {entry.arm}: content sha256 {entry.hash}")
+    except Exception as exc:  # noqa: BLE001 - GTO/scmrepo raise many types (identity, permissions)
+        raise RegistryError(f"git tags cannot be written ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
+    return event.version
+
+
+def assign(root: Path, entry: Entry, stage: str, *, remove: bool = False) -> None:
+    """Assign (or with ``remove`` unassign) GTO stage ``stage`` to the entry's version."""
+    from gto.api import assign as gto_assign
+    from gto.api import unassign
+
+    try:
+        if remove:
+            unassign(str(root), entry.artifact, stage, version=entry.version)
+        else:
+            gto_assign(str(root), entry.artifact, stage, version=entry.version)
+    except Exception as exc:  # noqa: BLE001
+        raise RegistryError(f"git tags cannot be written ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
+
+
+def fetch_with_dvc(root: Path, entry: Entry, dest: Path, remote: str | None = None) -> str:
+    """Put the entry's model files into the empty folder ``dest`` through DVC; returns how."""
+    if entry.version:
+        with _dvc(root, f"get {entry.artifact} {entry.version}") as repo:
+            repo.artifacts.download(entry.artifact, version=entry.version, out=str(dest), force=True)
+        return f"dvc artifacts get {entry.artifact} --rev {entry.version}"
+    from dvc_data.hashfile.hash_info import HashInfo
+
+    wanted = [f for f in entry.files if f.md5]
+    if len(wanted) < len(entry.files):
+        raise RegistryError(f"{entry.label} records no DVC ids (md5) for its files; register it again")
+    with _dvc(root, f"fetch the files of {entry.label}") as repo:
+        odb = repo.cache.local
+        missing = [f for f in wanted if not odb.exists(f.md5)]
+        if missing:
+            repo.cloud.pull([HashInfo("md5", f.md5) for f in missing], remote=remote)
+        if lost := [f.path for f in wanted if not odb.exists(f.md5)]:
+            raise RegistryError(f"{entry.label}: {', '.join(lost)} not in the DVC cache or remote; record the run "
+                                "with `dvc commit` and `dvc push` it (the flow does both)")
+        for f in wanted:
+            (dest / f.path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(odb.oid_to_path(f.md5), dest / f.path)
+    return "the DVC cache and remote (by md5)"
