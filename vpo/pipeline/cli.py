@@ -275,8 +275,13 @@ def _job(args: argparse.Namespace, cfg: Any) -> int:
         if args.cmd == "run":
             from vpo.pipeline.runner import run_all
 
-            run_all(cfg, search=not args.no_search, force=args.force)
+            results = run_all(cfg, search=not args.no_search, force=args.force)
             _print_tables(cfg, ran_search=not args.no_search)
+            from vpo.pipeline.console import log
+            from vpo.pipeline.dvcgen import record_run
+
+            if line := record_run(cfg, list(results)):  # dvc.lock agrees with what vpo ran
+                log(line)
             return 0
         if args.cmd == "stage":
             return _stage(args, cfg)

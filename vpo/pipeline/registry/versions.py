@@ -103,16 +103,16 @@ def gto_state(root: Path | None) -> dict[str, dict[str, Any]]:
     except Exception:  # noqa: BLE001 - no git, no tags, unreadable tags: the registry still works without GTO
         return {}
     out: dict[str, dict[str, Any]] = {}
-    for name, art in artifacts.items():
+    for artifact, art in artifacts.items():
         versions = {}
         for v in art.versions:
             if v.is_registered and v.is_active:
                 name, arm, digest = m.groups() if (m := _MESSAGE.search(v.message or "")) else (None, None, None)
                 versions[v.version] = {"commit": v.commit_hexsha, "hash": digest, "name": name,
                                        "arm": None if arm == "None" else arm, "created_at": v.created_at.isoformat()}
-        stages = {s: ver for s, ver in (shown.get(name, {}).get("stage") or {}).items() if ver}
+        stages = {s: ver for s, ver in (shown.get(artifact, {}).get("stage") or {}).items() if ver}
         if versions or stages:
-            out[name] = {"versions": versions, "stages": stages}
+            out[artifact] = {"versions": versions, "stages": stages}
     return out
 
 
@@ -151,8 +151,12 @@ def assign(root: Path, entry: Entry, stage: str, *, remove: bool = False) -> Non
 def fetch_with_dvc(root: Path, entry: Entry, dest: Path, remote: str | None = None) -> str:
     """Put the entry's model files into the empty folder ``dest`` through DVC; returns how."""
     if entry.version:
+        got = dest / ".dvc-artifact"  # DVC wants a new folder; its content then moves up into dest
         with _dvc(root, f"get {entry.artifact} {entry.version}") as repo:
-            repo.artifacts.download(entry.artifact, version=entry.version, out=str(dest), force=True)
+            repo.artifacts.download(entry.artifact, version=entry.version, out=str(got), force=True)
+        for p in got.iterdir():
+            p.rename(dest / p.name)
+        got.rmdir()
         return f"dvc artifacts get {entry.artifact} --rev {entry.version}"
     from dvc_data.hashfile.hash_info import HashInfo
 
