@@ -262,15 +262,9 @@ def _setup_register(folder: Path) -> None:
 
 
 def _registry_units(folder: Path) -> list[str]:
-    reg = folder / "registry"
-    found = [
-        p.relative_to(folder).as_posix()
-        for sub in ("entries", "objects")
-        if (reg / sub).is_dir()
-        for p in (reg / sub).iterdir()
-        if not p.name.startswith(".")
-    ]
-    return [f"runs/{RUN_NAME}/registry.json", *found]
+    reg = folder / "registry" / "entries"
+    found = [p.relative_to(folder).as_posix() for p in reg.rglob("*") if p.is_file() and not p.name.startswith(".")]
+    return [f"runs/{RUN_NAME}/registry.json", f"runs/{RUN_NAME}/arms/vpo-s0/model/README.md", *found]
 
 
 CASES = {
@@ -331,15 +325,16 @@ def _memoised(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _check_registry(folder: Path) -> None:
-    """Every entry (old or new) still points at complete objects with the recorded hash."""
-    from vpo.pipeline.registry import hash_checkpoint, list_entries, verify_entry
+    """Every entry (old or new) reads back and was written after its model card."""
+    from vpo.pipeline.registry import Registry
 
     reg = folder / "registry"
     if not reg.exists():
         return
-    for entry in list_entries(reg):
-        verify_entry(entry)
-        assert hash_checkpoint(reg / "objects" / entry.hash)[0] == entry.hash
+    entries, _, bad = Registry(reg, folder).scan()
+    assert bad == []
+    for entry in entries:
+        assert (reg / "entries" / entry.artifact / f"{entry.hash}.md").is_file(), entry.label
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -195,3 +195,37 @@ def test_after_vpo_run_dvc_finds_every_stage_up_to_date_and_models_version_once_
     assert "Data and pipelines are up to date" in sh("dvc", "status", cwd=repo)  # the card is not DVC's
     changed = run_vpo(["run", "--quick", "--set", "evaluation.n_samples=6"], repo, timeout=900, env=GIT_ID)
     assert "dvc.lock not updated: this run's settings differ from params.yaml's route-quick" in changed.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_quick_pipeline_on_an_s3_remote_promoted_arm_comes_back_byte_identical_in_a_fresh_clone(
+        quick_flow, tmp_path: Path) -> None:
+    """The session's quick flow ran every quick stage with an S3 DVC remote and registry and pushed. Commit
+    its dvc.lock, register (GTO versions), promote vpo-s0 to production; a fresh clone gets byte-identical
+    weights with `vpo registry fetch production` and `dvc artifacts get --stage production`, and `gto show`
+    lists the stage."""
+    from tests.test_faults_support import run_vpo
+
+    assert quick_flow.state.is_completed(), quick_flow.state.message
+    repo, clone = tmp_path / "repo", tmp_path / "clone"
+    skip = quick_flow.repo / ".dvc" / "tmp"
+    shutil.copytree(quick_flow.repo, repo, symlinks=True, ignore=lambda d, names: names if Path(d) == skip else [])
+    sh("git", "add", "dvc.lock", cwd=repo)
+    sh("git", "commit", "-qm", "the quick run", cwd=repo)
+    for argv in (["stage", "register", "--quick"], ["registry", "promote", "route-quick-vpo-s0", "--stage", "production"]):
+        proc = run_vpo(argv, repo, timeout=600, env=GIT_ID)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "route-quick-vpo-s0 v0.0.1" in proc.stdout and "(GTO tag)" in proc.stdout
+    sh("git", "clone", "-q", str(repo), str(clone), cwd=tmp_path)  # tags come along; runs/ and the DVC cache do not
+    assert not (clone / "runs").exists() and not (clone / ".dvc" / "config.local").exists()
+    proc = run_vpo(["registry", "fetch", "production", str(tmp_path / "fetched")], clone, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    trained = repo / "runs" / "route-quick" / "arms" / "vpo-s0" / "model"
+    assert files(tmp_path / "fetched") == files(trained) and "dvc artifacts get" in proc.stdout
+    sh("dvc", "artifacts", "get", ".", "route-quick-vpo-s0", "--stage", "production", "-o", str(tmp_path / "got"),
+       cwd=clone)  # the S3 remote `vpo registry fetch` configured from pipelines.yaml (.dvc/config.local)
+    assert files(tmp_path / "got") == files(trained)
+    shown = yaml.safe_load(sh("gto", "show", "--json", cwd=clone))
+    assert shown["route-quick-vpo-s0"]["stage"]["production"] == "v0.0.1"
+    assert shown["route-quick-grpo-s0"]["version"] == "v0.0.1"

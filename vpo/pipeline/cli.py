@@ -5,7 +5,7 @@
     vpo stage NAME --variant V [--params params.yaml]   the settings of a generated params.yaml (dvc.yaml)
     vpo flow | ui | serve [--pipeline P] [--quick] [--set K=V]   the Prefect retrain flow
     vpo dvc [--check] [--add V] [--remove V]        regenerate (or check) dvc.yaml and params.yaml
-    vpo registry list|show|...                      the checkpoint registry
+    vpo registry list|show|best|fetch|promote|verify|migrate   registered models (DVC artifacts, GTO stages)
     vpo pipelines                                   the pipelines in pipelines.yaml
 
 A stage runs only when its output does not answer the current settings, code and inputs (it says
@@ -121,7 +121,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="declare this variant in dvc.yaml too (route: the full main job)")
     p_dvc.add_argument("--remove", action="append", default=[], metavar="VARIANT",
                        help="stop declaring this variant in dvc.yaml")
-    p_reg = sub.add_parser("registry", help="the checkpoint registry (list, show, best, fetch, promote, verify)",
+    p_reg = sub.add_parser("registry", help="registered models: list, show, best, fetch, promote, verify, migrate",
                            add_help=False)
     p_reg.add_argument("rest", nargs=argparse.REMAINDER)
     sub.add_parser("pipelines", help="list pipelines").add_argument("--config", default="pipelines.yaml")
@@ -211,15 +211,16 @@ def _stage(args: argparse.Namespace, cfg: Any) -> int:
     return 0
 
 
-def _default_registry() -> str | None:
-    """The default pipeline's ``storage.registry`` when a pipelines.yaml is here (else None)."""
+def _default_storage() -> tuple[str | None, tuple[str, str] | None]:
+    """The default pipeline's ``storage.registry`` and DVC remote (URL, name) when a pipelines.yaml is here."""
     from vpo.pipeline.config import ConfigError, load_pipeline
 
     try:
         cfg = load_pipeline(None, "pipelines.yaml")
     except ConfigError:
-        return None
-    return cfg.resolve_url(cfg.storage.registry)
+        return None, None
+    remote = (cfg.resolve_url(cfg.storage.dvc_remote), cfg.storage.dvc_remote_name) if cfg.storage.dvc_remote else None
+    return cfg.resolve_url(cfg.storage.registry), remote
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -227,9 +228,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ.setdefault(k, v)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["registry"]:  # the registry's own CLI takes every argument after it (--help included)
-        from vpo.pipeline.registry import main as registry_main
+        from vpo.pipeline.registry.cli import main as registry_main
 
-        return registry_main(argv[1:], default_registry=_default_registry(), prog="vpo registry")
+        registry, remote = _default_storage()
+        return registry_main(argv[1:], default_registry=registry, default_remote=remote, prog="vpo registry")
     args = _parser().parse_args(argv)
     if args.cmd == "pipelines":
         from vpo.pipeline.config import ConfigError, load_all

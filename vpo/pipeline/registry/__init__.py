@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from vpo.atomic import atomic_dir
+from vpo.atomic import atomic_dir, atomic_write_text
 from vpo.pipeline.registry.entries import (
     DEFAULT_METRIC,
     Entry,
@@ -156,8 +156,9 @@ class Registry:
         card = model_card(entry)
         if self.store.clean_temps():
             log.info("registry: removed temp files a killed registration left")
-        if not (Path(model_dir) / "README.md").is_file() or (Path(model_dir) / "README.md").read_text() != card:
-            (Path(model_dir) / "README.md").write_text(card, encoding="utf-8")
+        readme = Path(model_dir) / "README.md"  # .dvcignore keeps it out of DVC's hash of the folder
+        if not readme.is_file() or readme.read_text(encoding="utf-8") != card:
+            atomic_write_text(readme, card)
         self.store.write(entry, card)
         return entry, why
 
