@@ -82,8 +82,9 @@ def test_outputs_and_registry_are_consistent(race: Race) -> None:
     registered hashes are those of the arm models, and the lock is free again."""
     import pandas as pd
 
+    from vpo.pipeline.checkpoints import content_hash
     from vpo.pipeline.locking import pipeline_lock, read_holder
-    from vpo.pipeline.registry import Registry, content_hash
+    from vpo.pipeline.registry import Registry
 
     run = race.folder / "runs" / RUN_NAME
     leftovers = [p for p in run.rglob(".*") if p.name not in (".lock",)]

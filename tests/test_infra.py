@@ -480,6 +480,6 @@ def test_serve_script_fetches_registered_checkpoint_first() -> None:
     assert fetch_argv[1:5] == ["-m", "vpo.pipeline.cli", "registry", "fetch"]
     dest = fetch_argv[-1]
     assert dest.endswith("/abc123def") and serve_part.split()[2] == dest
-    from vpo.pipeline.registry import main
+    from vpo.pipeline.registry.cli import main
 
     assert main(fetch_argv[4:] + ["--help"]) == 0  # `vpo registry ARGS` is the registry module's CLI

@@ -17,7 +17,9 @@ import pytest
 import yaml
 
 from tests.test_registry import make_checkpoint, metrics
-from vpo.pipeline.registry import Registry, content_hash, main
+from vpo.pipeline.checkpoints import content_hash
+from vpo.pipeline.registry import Registry
+from vpo.pipeline.registry.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

@@ -29,7 +29,7 @@ import warnings
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -187,10 +187,11 @@ class VPOTrainer(GRPOTrainer):
 
     # TRL's model card and Hub tags (create_model_card, on every checkpoint) name the trainer and paper
     _name = "VPO"
-    _tag_names = ["trl", "vpo"]
-    _paper = {"title": "Vector Policy Optimization", "id": "2605.22817",
-              "citation": "@misc{vpo2026,\n    title         = {{Vector Policy Optimization}},\n    year          = 2026,\n"
-                          "    eprint        = {2605.22817},\n    archivePrefix = {arXiv},\n}"}
+    _tag_names = ("trl", "vpo")
+    _paper: ClassVar[dict[str, str]] = {
+        "title": "Vector Policy Optimization", "id": "2605.22817",
+        "citation": "@misc{vpo2026,\n    title         = {{Vector Policy Optimization}},\n    year          = 2026,\n"
+                    "    eprint        = {2605.22817},\n    archivePrefix = {arXiv},\n}"}
 
     def __init__(self, model: Any, reward: VectorReward, args: VPOConfig, **kwargs: Any) -> None:
         if not isinstance(args, VPOConfig):
@@ -203,7 +204,8 @@ class VPOTrainer(GRPOTrainer):
             raise ValueError(f"w_star has {self._w_star.shape[0]} entries, the reward has {reward.dim} dimensions")
         self._estimator = get_estimator(args.estimator)
         if args.estimator != "vpo":  # a baseline arm: the card and tags name the estimator it trained with
-            self._name, self._tag_names = f"the {args.estimator} estimator of the VPO trainer", ["trl", "vpo", args.estimator]
+            self._name = f"the {args.estimator} estimator of the VPO trainer"
+            self._tag_names = ("trl", "vpo", args.estimator)
             self._paper = {"citation": self._paper["citation"]}
         self._row_weights_column: str | None = getattr(self._estimator, "row_weights_column", None)
         for name in ("train_dataset", "eval_dataset"):

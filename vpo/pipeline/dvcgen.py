@@ -161,7 +161,7 @@ def _artifacts(cfg: PipelineConfig, layout: RunLayout) -> dict[str, Any]:
     versions and stages name it too). ``meta`` says where the run's metrics, lineage and git revision
     are recorded: values that change with every run would make this generated file stale."""
     from vpo.pipeline.graph import stage
-    from vpo.pipeline.registry import artifact_name
+    from vpo.pipeline.registry.entries import artifact_name
 
     train = stage("train")
     out = {}

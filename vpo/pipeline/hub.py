@@ -112,8 +112,8 @@ def model_card(entry: Any) -> str:
     else:
         weights = "All weights were trained (no adapters)."
     lines = [f"# {entry.artifact}", "",
-             f"Post-trained with [vpo]({PAPER}) (Vector Policy Optimization) through TRL: the `{est or '?'}` "
-             f"advantage estimator on the `{task}` task, from base model `{base or 'not recorded'}`. {weights}", "",
+             (f"Post-trained with [vpo]({PAPER}) (Vector Policy Optimization) through TRL: the `{est or '?'}` "
+              f"advantage estimator on the `{task}` task, from base model `{base or 'not recorded'}`. {weights}"), "",
              "| setting | value |", "|---|---|", *[f"| {k} | {_fmt(v)} |" for k, v in _settings(entry)], "",
              "## Evaluation", ""]
     if ks:

@@ -1,11 +1,10 @@
-"""Model versions and stages as git tags (GTO), model bytes through DVC.
+"""Model versions and stages as git tags (GTO); model bytes back through DVC.
 
-A version is GTO's ``<artifact>@vX.Y.Z`` tag on a commit whose ``dvc.lock`` records the model: tagging
-needs that commit, so a registration tags HEAD only when HEAD's ``dvc.lock`` records exactly the
-weights being registered (otherwise it says why in one line and the entry stays unversioned). A stage
-is GTO's ``<artifact>#<stage>#N`` tag, so ``gto show``, DVC Studio and ``dvc artifacts get --stage``
-see what ``vpo registry promote`` did. Weights come back through DVC: ``dvc artifacts get`` for a
-versioned entry, DVC's cache and remote by each file's md5 otherwise.
+A version is GTO's ``<artifact>@vX.Y.Z`` tag on a commit whose ``dvc.lock`` records the model, so a
+registration tags HEAD only when HEAD's ``dvc.lock`` records exactly the weights it registers. A stage
+is GTO's ``<artifact>#<stage>#N`` tag: ``gto show``, DVC Studio and ``dvc artifacts get --stage`` see
+what ``vpo registry promote`` did. A versioned model comes back with ``dvc artifacts get``; an
+unversioned one from DVC's cache or remote by each file's md5.
 """
 
 from __future__ import annotations
@@ -21,7 +20,8 @@ from typing import Any
 
 import yaml
 
-from vpo.pipeline.registry.entries import Entry, FileRecord, RegistryError
+from vpo.pipeline.checkpoints import FileRecord
+from vpo.pipeline.registry.entries import Entry, RegistryError
 
 __all__ = ["assign", "fetch_with_dvc", "git_root", "git_state", "gto_state", "tag_version", "unversioned_because"]
 
@@ -37,7 +37,7 @@ def _git(root: Path, *args: str) -> str | None:
 
 
 def git_root(start: str | Path) -> Path | None:
-    """The git work tree holding ``start``; None outside one (or without git)."""
+    """The git work tree holding ``start`` (None outside one)."""
     top = _git(Path(start), "rev-parse", "--show-toplevel")
     return Path(top.strip()) if top else None
 
@@ -45,10 +45,8 @@ def git_root(start: str | Path) -> Path | None:
 def git_state(root: Path | None) -> tuple[str | None, bool | None]:
     """(HEAD commit, whether tracked files have uncommitted changes); Nones outside a repository."""
     rev = _git(root, "rev-parse", "--verify", "HEAD") if root else None
-    if rev is None:
-        return None, None
-    status = _git(root, "status", "--porcelain", "--untracked-files=no")
-    return rev.strip(), (bool(status.strip()) if status is not None else None)
+    status = _git(root, "status", "--porcelain", "--untracked-files=no") if rev else None
+    return (rev.strip(), bool(status.strip()) if status is not None else None) if rev else (None, None)
 
 
 @contextlib.contextmanager
@@ -60,15 +58,19 @@ def _dvc(root: Path, doing: str) -> Iterator[Any]:
         with Repo(str(root)) as repo:
             yield repo
     except DvcException as exc:
-        raise RegistryError(f"DVC could not {doing}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+        raise RegistryError(f"DVC could not {doing}: {(str(exc).splitlines() or [type(exc).__name__])[0]}") from None
+
+
+def _gto_error(exc: Exception) -> RegistryError:
+    return RegistryError(f"git tags cannot be written ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0]})")
 
 
 def unversioned_because(root: Path | None, path: str | None, files: Sequence[FileRecord]) -> str | None:
-    """None when HEAD's ``dvc.lock`` records exactly these model files at ``path`` (so a GTO version
-    tagged on HEAD gets these weights back); else why no version can be tagged."""
+    """None when HEAD's ``dvc.lock`` (in the DVC project ``root``) records exactly these model files at
+    ``path``, so a GTO version on HEAD gets them back; else why no version can be tagged."""
     if root is None or path is None:
         return "the project is not a git repository"
-    text = _git(root, "show", "HEAD:dvc.lock")
+    text = _git(root, "show", "HEAD:./dvc.lock")
     if text is None:
         return "HEAD has no committed dvc.lock"
     outs = [o for st in (yaml.safe_load(text) or {}).get("stages", {}).values() for o in st.get("outs", [])]
@@ -76,21 +78,20 @@ def unversioned_because(root: Path | None, path: str | None, files: Sequence[Fil
     if out is None or not str(out.get("md5", "")).endswith(".dir"):
         return f"HEAD's dvc.lock records no output holding {path}"
     with _dvc(root, "read its cache") as repo:
-        listing_path = Path(repo.cache.local.oid_to_path(out["md5"]))
+        listing = Path(repo.cache.local.oid_to_path(out["md5"]))
     try:
-        listing = {d["relpath"]: d["md5"] for d in json.loads(listing_path.read_text())}
+        recorded = {d["relpath"]: d["md5"] for d in json.loads(listing.read_text())}
     except (OSError, ValueError, KeyError, TypeError):
         return f"the DVC cache lacks the listing of {out['path']} that HEAD's dvc.lock records (`dvc pull` it)"
     sub = path[len(out["path"]):].strip("/")
-    if any(listing.get(f"{sub}/{f.path}".lstrip("/")) != f.md5 for f in files):
+    if any(recorded.get(f"{sub}/{f.path}".lstrip("/")) != f.md5 for f in files):
         return f"HEAD's dvc.lock records other weights for {path} (commit dvc.lock after the run)"
     return None
 
 
 def gto_state(root: Path | None) -> dict[str, dict[str, Any]]:
-    """``{artifact: {"versions": {version: {"commit", "hash", "name", "arm", "created_at"}}, "stages": {stage:
-    version}}}``
-    from the repository's GTO tags; stages exactly as ``gto show`` reports them. Empty without git."""
+    """``{artifact: {"versions": {version: {commit, hash, name, arm, created_at}}, "stages": {stage:
+    version}}}`` from the GTO tags, stages exactly as ``gto show`` reports them; empty without git."""
     if root is None:
         return {}
     from gto.api import show
@@ -100,58 +101,50 @@ def gto_state(root: Path | None) -> dict[str, dict[str, Any]]:
         shown = show(str(root))
         with GitRegistry.from_url(str(root)) as reg:
             artifacts = reg.get_artifacts()
-    except Exception:  # noqa: BLE001 - no git, no tags, unreadable tags: the registry still works without GTO
+    except Exception:  # noqa: BLE001 - unreadable tags: the registry works without GTO
         return {}
     out: dict[str, dict[str, Any]] = {}
     for artifact, art in artifacts.items():
         versions = {}
-        for v in art.versions:
-            if v.is_registered and v.is_active:
-                name, arm, digest = m.groups() if (m := _MESSAGE.search(v.message or "")) else (None, None, None)
-                versions[v.version] = {"commit": v.commit_hexsha, "hash": digest, "name": name,
-                                       "arm": None if arm == "None" else arm, "created_at": v.created_at.isoformat()}
-        stages = {s: ver for s, ver in (shown.get(artifact, {}).get("stage") or {}).items() if ver}
-        if versions or stages:
-            out[artifact] = {"versions": versions, "stages": stages}
+        for v in (v for v in art.versions if v.is_registered and v.is_active):
+            name, arm, digest = m.groups() if (m := _MESSAGE.search(v.message or "")) else (None, None, None)
+            versions[v.version] = {"commit": v.commit_hexsha, "hash": digest, "name": name,
+                                   "arm": None if arm == "None" else arm, "created_at": v.created_at.isoformat()}
+        out[artifact] = {"versions": versions,
+                         "stages": {s: ver for s, ver in (shown.get(artifact, {}).get("stage") or {}).items() if ver}}
     return out
 
 
 def tag_version(root: Path, entry: Entry, rev: str) -> str:
-    """The GTO version of ``entry`` at commit ``rev``: the existing one, else a new tag (the message
-    carries the content hash, so a clone without the registry still knows what the version holds)."""
+    """The entry's GTO version at commit ``rev``: the existing one, else a new tag whose message holds
+    the content hash (a clone without the registry still knows what the version holds)."""
     from gto.api import register
 
     for version, info in gto_state(root).get(entry.artifact, {}).get("versions", {}).items():
-        if info["commit"] == rev:
-            if info["hash"] not in (None, entry.hash):
-                raise RegistryError(f"{entry.artifact} {version} at {rev[:12]} holds content {info['hash'][:12]}")
+        if info["commit"] == rev and info["hash"] in (None, entry.hash):
             return version
     try:
-        event = register(str(root), entry.artifact, rev,
-                         message=f"vpo {entry.name} {entry.arm}: content sha256 {entry.hash}")
-    except Exception as exc:  # noqa: BLE001 - GTO/scmrepo raise many types (identity, permissions)
-        raise RegistryError(f"git tags cannot be written ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
-    return event.version
+        return register(str(root), entry.artifact, rev, message=f"vpo {entry.name} {entry.arm}: "
+                        f"content sha256 {entry.hash}").version
+    except Exception as exc:  # noqa: BLE001 - GTO and scmrepo raise many types (identity, permissions, refs)
+        raise _gto_error(exc) from None
 
 
 def assign(root: Path, entry: Entry, stage: str, *, remove: bool = False) -> None:
-    """Assign (or with ``remove`` unassign) GTO stage ``stage`` to the entry's version."""
+    """Assign (or unassign) GTO stage ``stage`` to the entry's version."""
     from gto.api import assign as gto_assign
     from gto.api import unassign
 
     try:
-        if remove:
-            unassign(str(root), entry.artifact, stage, version=entry.version)
-        else:
-            gto_assign(str(root), entry.artifact, stage, version=entry.version)
+        (unassign if remove else gto_assign)(str(root), entry.artifact, stage, version=entry.version)
     except Exception as exc:  # noqa: BLE001
-        raise RegistryError(f"git tags cannot be written ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
+        raise _gto_error(exc) from None
 
 
-def fetch_with_dvc(root: Path, entry: Entry, dest: Path, remote: str | None = None) -> str:
-    """Put the entry's model files into the empty folder ``dest`` through DVC; returns how."""
+def fetch_with_dvc(root: Path, entry: Entry, dest: Path) -> str:
+    """Put the entry's model files into the empty folder ``dest`` through DVC (its default remote); returns how."""
     if entry.version:
-        got = dest / ".dvc-artifact"  # DVC wants a new folder; its content then moves up into dest
+        got = dest / ".dvc-artifact"  # DVC wants a new folder; its content then moves up
         with _dvc(root, f"get {entry.artifact} {entry.version}") as repo:
             repo.artifacts.download(entry.artifact, version=entry.version, out=str(got), force=True)
         for p in got.iterdir():
@@ -160,18 +153,15 @@ def fetch_with_dvc(root: Path, entry: Entry, dest: Path, remote: str | None = No
         return f"dvc artifacts get {entry.artifact} --rev {entry.version}"
     from dvc_data.hashfile.hash_info import HashInfo
 
-    wanted = [f for f in entry.files if f.md5]
-    if len(wanted) < len(entry.files):
+    if any(not f.md5 for f in entry.files):
         raise RegistryError(f"{entry.label} records no DVC ids (md5) for its files; register it again")
     with _dvc(root, f"fetch the files of {entry.label}") as repo:
         odb = repo.cache.local
-        missing = [f for f in wanted if not odb.exists(f.md5)]
-        if missing:
-            repo.cloud.pull([HashInfo("md5", f.md5) for f in missing], remote=remote)
-        if lost := [f.path for f in wanted if not odb.exists(f.md5)]:
+        if missing := [HashInfo("md5", f.md5) for f in entry.files if not odb.exists(f.md5)]:
+            repo.cloud.pull(missing)
+        if lost := [f.path for f in entry.files if not odb.exists(f.md5)]:
             raise RegistryError(f"{entry.label}: {', '.join(lost)} not in the DVC cache or remote; record the run "
                                 "with `dvc commit` and `dvc push` it (the flow does both)")
-        for f in wanted:
-            (dest / f.path).parent.mkdir(parents=True, exist_ok=True)
+        for f in entry.files:
             shutil.copyfile(odb.oid_to_path(f.md5), dest / f.path)
     return "the DVC cache and remote (by md5)"

@@ -30,7 +30,8 @@ def _base_model(cfg: Any) -> str | None:
 
 def run(ctx: StageContext) -> dict[str, Any]:
     """Register every enabled arm run; writes ``registry.json`` with the entries."""
-    from vpo.pipeline.registry import Registry, content_hash
+    from vpo.pipeline.checkpoints import content_hash
+    from vpo.pipeline.registry import Registry
 
     cfg, layout = ctx.cfg, ctx.layout
     url = cfg.resolve_url(cfg.storage.registry)
