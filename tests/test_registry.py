@@ -19,7 +19,8 @@ from vpo.pipeline.checkpoints import (
     content_hash,
     manifest_hash,
 )
-from vpo.pipeline.registry import Registry, RegistryError, RegistryInputError
+from vpo.pipeline.registry import Registry, RegistryInputError
+from vpo.pipeline.registry.entries import StorageUnavailableError
 from vpo.pipeline.registry.cli import main
 from vpo.pipeline.storage import scan_for_secrets
 
@@ -172,7 +173,7 @@ def test_fetch_conflict_names_the_cli_flag(reg: Registry, tmp_path: Path, capsys
     assert "already exists with other content; fetch with --overwrite to replace it" in capsys.readouterr().err
 
 
-def test_stale_temp_files_are_removed_by_a_rerun(reg: Registry, tmp_path: Path) -> None:
+def test_stale_temp_files_are_removed_by_a_rerun_and_by_verify(reg: Registry, tmp_path: Path, capsys) -> None:
     ckpt = make_checkpoint(tmp_path / "ckpt")
     entry = add(reg, ckpt)
     folder = tmp_path / "registry" / "entries" / entry.artifact
@@ -187,6 +188,9 @@ def test_stale_temp_files_are_removed_by_a_rerun(reg: Registry, tmp_path: Path) 
         os.utime(p, (past, past))
     add(reg, ckpt)
     assert not stale.exists() and not old_layout.exists() and young.exists()  # a young one may be a live writer
+    os.utime(young, (past, past))  # its writer was killed after all: verify removes it too
+    assert cli(reg, "verify") == 1  # this entry's weights are in no DVC project here: verify says so
+    assert f"removed entries/{entry.artifact}/{young.name}" in capsys.readouterr().out and not young.exists()
 
 
 def test_unreadable_entry_files_are_named_and_never_hide_the_others(reg: Registry, tmp_path: Path, capsys) -> None:
@@ -265,7 +269,7 @@ def test_s3_registry_round_trip_and_one_line_errors_while_the_endpoint_is_down(t
     assert keys == [f"registry/entries/{entry.artifact}/{entry.hash}.{x}" for x in ("json", "md")]
     assert Registry(url, tmp_path).get("latest") == entry
     with s3_server.outage():
-        with pytest.raises(RegistryError, match="could not .*check the storage is reachable"):
+        with pytest.raises(StorageUnavailableError, match="could not .*check the storage is reachable"):
             add(Registry(url, tmp_path), make_checkpoint(tmp_path / "ckpt2", seed=2))
         for argv in (["list"], ["best"], ["verify"], ["show", "latest"]):
             assert main(["--registry", url, "--repo", str(tmp_path), *argv]) == 1, argv

@@ -268,7 +268,7 @@ def _job(args: argparse.Namespace, cfg: Any) -> int:
     """``vpo run`` / ``vpo stage``: exit 0 done, 2 bad input, 3 locked (one ``error:`` line each)."""
     from vpo.pipeline.errors import EXIT_BAD_INPUT, EXIT_LOCKED, StageError
     from vpo.pipeline.locking import LockBusyError
-    from vpo.pipeline.registry.entries import RegistryError
+    from vpo.pipeline.registry.entries import RegistryError, StorageUnavailableError
     from vpo.pipeline.storage import redact
     from vpo.pipeline.validation import ValidationError
     from vpo.rewards import RewardError
@@ -290,6 +290,9 @@ def _job(args: argparse.Namespace, cfg: Any) -> int:
     except LockBusyError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_LOCKED
+    except StorageUnavailableError as exc:  # an unreachable registry: one line, and a retry may help
+        print(f"error: {redact(str(exc))}", file=sys.stderr)
+        return 1
     except (StageError, RewardError, RegistryError, ValidationError) as exc:
         print(f"error: {redact(str(exc))}", file=sys.stderr)
         return EXIT_BAD_INPUT

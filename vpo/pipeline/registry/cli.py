@@ -131,6 +131,8 @@ def _run(args: argparse.Namespace, reg: Registry, remote: tuple[str, str] | None
             print(f"warning: {redact(line)}", file=sys.stderr)
         if args.cmd == "verify":
             _ensure_remote(reg, remote)
+            for path in reg.store.clean_temps():
+                print(f"removed {path} (left by a killed registration)")
             chosen, failed = [reg.get(k) for k in args.keys] if args.keys else entries, 0
             for e in chosen:
                 problems = reg.verify(e)

@@ -15,8 +15,8 @@ from typing import Any
 
 from vpo.pipeline.checkpoints import FileRecord, manifest_hash
 
-__all__ = ["DEFAULT_METRIC", "Entry", "RegistryError", "RegistryInputError", "artifact_name", "best", "latest",
-           "metric_value", "select", "settings_that_differ"]
+__all__ = ["DEFAULT_METRIC", "Entry", "RegistryError", "RegistryInputError", "StorageUnavailableError", "artifact_name",
+           "best", "latest", "metric_value", "select", "settings_that_differ"]
 
 DEFAULT_METRIC = "eval.best_at_k.kmax"
 """Metric of ``best`` when none is named: best@k at the largest k the entry was evaluated at."""
@@ -29,6 +29,10 @@ class RegistryError(RuntimeError):
 
 class RegistryInputError(RegistryError):
     """Bad input: unknown or ambiguous key, bad metric or stage name."""
+
+
+class StorageUnavailableError(RegistryError):
+    """The registry's storage could not be reached or refused a request: retrying later may help."""
 
 
 def artifact_name(name: str, arm: str | None) -> str:

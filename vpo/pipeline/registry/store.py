@@ -23,7 +23,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from vpo.atomic import atomic_write_bytes
-from vpo.pipeline.registry.entries import HEX64, Entry, RegistryError, artifact_name
+from vpo.pipeline.registry.entries import HEX64, Entry, RegistryError, StorageUnavailableError, artifact_name
 from vpo.pipeline.storage import StorageError, get_filesystem, is_s3_url, redact, secret_values
 
 __all__ = ["Store", "now"]
@@ -66,7 +66,7 @@ class Store:
             raise
         except _faults() as exc:
             first = redact((str(exc).strip().splitlines() or [""])[0][:200])
-            raise RegistryError(f"registry {redact(self.url)}: could not {doing} ({type(exc).__name__}: {first}); "
+            raise StorageUnavailableError(f"registry {redact(self.url)}: could not {doing} ({type(exc).__name__}: {first}); "
                                 "check the storage is reachable and run the command again") from None
 
     def _put(self, path: str, data: bytes) -> None:
