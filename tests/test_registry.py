@@ -20,8 +20,8 @@ from vpo.pipeline.checkpoints import (
     manifest_hash,
 )
 from vpo.pipeline.registry import Registry, RegistryInputError
-from vpo.pipeline.registry.entries import StorageUnavailableError
 from vpo.pipeline.registry.cli import main
+from vpo.pipeline.registry.entries import StorageUnavailableError
 from vpo.pipeline.storage import scan_for_secrets
 
 
