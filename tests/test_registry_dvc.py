@@ -213,7 +213,12 @@ def test_quick_pipeline_on_an_s3_remote_promoted_arm_comes_back_byte_identical_i
     repo, clone = tmp_path / "repo", tmp_path / "clone"
     skip = quick_flow.repo / ".dvc" / "tmp"
     shutil.copytree(quick_flow.repo, repo, symlinks=True, ignore=lambda d, names: names if Path(d) == skip else [])
-    sh("git", "add", "dvc.lock", cwd=repo)
+    config = repo / "pipelines.yaml"  # a registry of its own: other tests read the flow's entries as the flow left them
+    raw = yaml.safe_load(config.read_text())
+    raw["pipelines"]["route"]["storage"]["registry"] = f"s3://{quick_flow.bucket}/registry-promoted"
+    config.write_text(yaml.safe_dump(raw, sort_keys=False))
+    sh(sys.executable, "-m", "vpo.pipeline.cli", "dvc", cwd=repo)  # params.yaml follows (no stage reads storage)
+    sh("git", "add", "pipelines.yaml", "params.yaml", "dvc.lock", cwd=repo)
     sh("git", "commit", "-qm", "the quick run", cwd=repo)
     for argv in (["stage", "register", "--quick"], ["registry", "promote", "route-quick-vpo-s0", "--stage", "production"]):
         proc = run_vpo(argv, repo, timeout=600, env=GIT_ID)
