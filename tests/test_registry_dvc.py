@@ -124,7 +124,7 @@ def test_a_run_not_in_a_committed_dvc_lock_is_unversioned_until_it_is(project: P
     register(project, reg_dir)
     make_checkpoint(project / MODEL, seed=7)  # a new training run, dvc.lock not committed yet
     entry, why = register(project, reg_dir)
-    assert entry.version is None and "HEAD's dvc.lock records other weights" in why
+    assert entry.version is None and "HEAD's dvc.lock records other outputs than this run's" in why
     from dvc.repo import Repo
 
     with Repo(str(project)) as dvc:

@@ -111,7 +111,7 @@ class Registry:
                       dvc_lock_sha256=hash_file(lock)[1] if lock.is_file() else None, params=dict(params or {}),
                       metrics=dict(metrics or {}), lineage=dict(lineage or {}), left_out=left_out,
                       registry_url=self.store.url)
-        why = None if entry.version else versions.unversioned_because(self.dvc_repo if self.repo else None, path, files)
+        why = None if entry.version else versions.unversioned_because(self.dvc_repo if self.repo else None, path)
         if not entry.version and why is None:
             try:
                 entry = dataclasses.replace(entry, version=versions.tag_version(self.repo, entry, rev))

@@ -10,17 +10,15 @@ unversioned one from DVC's cache or remote by each file's md5.
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 import shutil
 import subprocess
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from vpo.pipeline.checkpoints import FileRecord
 from vpo.pipeline.registry.entries import Entry, RegistryError
 
 __all__ = ["assign", "fetch_with_dvc", "git_root", "git_state", "gto_state", "tag_version", "unversioned_because"]
@@ -65,9 +63,10 @@ def _gto_error(exc: Exception) -> RegistryError:
     return RegistryError(f"git tags cannot be written ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0]})")
 
 
-def unversioned_because(root: Path | None, path: str | None, files: Sequence[FileRecord]) -> str | None:
-    """None when HEAD's ``dvc.lock`` (in the DVC project ``root``) records exactly these model files at
-    ``path``, so a GTO version on HEAD gets them back; else why no version can be tagged."""
+def unversioned_because(root: Path | None, path: str | None) -> str | None:
+    """None when HEAD's ``dvc.lock`` (in the DVC project ``root``) records the output holding the model
+    at ``path`` exactly as it is in the workspace, so a GTO version on HEAD gets these bytes back; else
+    why no version can be tagged (worded alike for every arm run, so a stage says it once)."""
     if root is None or path is None:
         return "the project is not a git repository"
     text = _git(root, "show", "HEAD:./dvc.lock")
@@ -75,17 +74,15 @@ def unversioned_because(root: Path | None, path: str | None, files: Sequence[Fil
         return "HEAD has no committed dvc.lock"
     outs = [o for st in (yaml.safe_load(text) or {}).get("stages", {}).values() for o in st.get("outs", [])]
     out = next((o for o in outs if path == o.get("path") or path.startswith(f"{o.get('path')}/")), None)
-    if out is None or not str(out.get("md5", "")).endswith(".dir"):
-        return f"HEAD's dvc.lock records no output holding {path}"
-    with _dvc(root, "read its cache") as repo:
-        listing = Path(repo.cache.local.oid_to_path(out["md5"]))
-    try:
-        recorded = {d["relpath"]: d["md5"] for d in json.loads(listing.read_text())}
-    except (OSError, ValueError, KeyError, TypeError):
-        return f"the DVC cache lacks the listing of {out['path']} that HEAD's dvc.lock records (`dvc pull` it)"
-    sub = path[len(out["path"]):].strip("/")
-    if any(recorded.get(f"{sub}/{f.path}".lstrip("/")) != f.md5 for f in files):
-        return f"HEAD's dvc.lock records other weights for {path} (commit dvc.lock after the run)"
+    if out is None:
+        return "HEAD's dvc.lock records no output holding the model"
+    from dvc_data.hashfile.build import build
+
+    with _dvc(root, "hash the model's output") as repo:  # DVC's own hash, its ignores (the card) honoured
+        _, _, obj = build(repo.cache.local, str(root / out["path"]), repo.fs, "md5", ignore=repo.dvcignore,
+                          dry_run=True)
+    if obj.hash_info.value != out.get("md5"):
+        return "HEAD's dvc.lock records other outputs than this run's (commit dvc.lock, then register again)"
     return None
 
 
