@@ -22,6 +22,7 @@ from vpo.pipeline.checkpoints import check_checkpoint, content_hash, hash_file, 
 from vpo.pipeline.registry import entries, versions
 from vpo.pipeline.registry.entries import DEFAULT_METRIC, Entry, RegistryError, RegistryInputError
 from vpo.pipeline.registry.store import Store, now
+from vpo.pipeline.storage import redact
 
 __all__ = ["DEFAULT_METRIC", "Entry", "Registry", "RegistryError", "RegistryInputError"]
 
@@ -117,7 +118,7 @@ class Registry:
                 entry = dataclasses.replace(entry, version=versions.tag_version(self.repo, entry, rev))
             except RegistryError as exc:
                 why = str(exc)
-        card = model_card(entry)
+        card = redact(model_card(entry))
         self.store.clean_temps()
         readme = Path(model_dir) / "README.md"  # .dvcignore keeps it out of DVC's hash of the folder
         if not readme.is_file() or readme.read_text(encoding="utf-8") != card:
