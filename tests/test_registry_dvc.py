@@ -195,8 +195,25 @@ def test_after_vpo_run_dvc_finds_every_stage_up_to_date_and_models_version_once_
     assert "route-quick-vpo-s0@v0.0.1" in sh("git", "tag", cwd=repo).split()
     assert (repo / "runs" / "route-quick" / "arms" / "vpo-s0" / "model" / "README.md").is_file()
     assert "Data and pipelines are up to date" in sh("dvc", "status", cwd=repo)  # the card is not DVC's
-    changed = run_vpo(["run", "--quick", "--set", "evaluation.n_samples=6"], repo, timeout=900, env=GIT_ID)
-    assert "dvc.lock not updated: this run's settings differ from params.yaml's route-quick" in changed.stdout
+
+
+def test_a_run_with_other_settings_than_params_yaml_leaves_dvc_lock_alone(tmp_path: Path) -> None:
+    """`vpo run --set ...` must not record its outputs under params.yaml's settings; outside a DVC
+    project, or for a variant dvc.yaml does not declare, nothing is said at all."""
+    from tests.test_faults_support import write_pipelines
+    from vpo.pipeline.config import load_pipeline
+    from vpo.pipeline.dvcgen import main as dvc_main
+    from vpo.pipeline.dvcgen import record_run
+
+    path = write_pipelines(tmp_path)
+    assert dvc_main(["--config", str(path)]) == 0
+    changed = load_pipeline("route", path, quick=True, overrides={"evaluation.n_samples": 6})
+    assert record_run(changed, ["data", "evaluate"]) is None  # no .dvc folder: not a DVC project
+    (tmp_path / ".dvc").mkdir()
+    line = record_run(changed, ["data", "evaluate"])
+    assert line.startswith("dvc.lock not updated: this run's settings differ from params.yaml's route-quick")
+    assert not (tmp_path / "dvc.lock").exists()
+    assert record_run(load_pipeline("route", path), ["data"]) is None  # route (full) is not declared
 
 
 @pytest.mark.slow
