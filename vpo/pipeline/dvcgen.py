@@ -271,7 +271,7 @@ def record_run(cfg: PipelineConfig, labels: Sequence[str]) -> str | None:
         return None
     try:
         same = load_variant(cfg.variant, root / PARAMS_FILE).settings() == cfg.settings()
-    except ConfigError:
+    except (ConfigError, OSError):
         same = False
     if not same:
         return (f"dvc.lock not updated: this run's settings differ from {PARAMS_FILE}'s {cfg.variant} (--set, or "
