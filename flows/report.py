@@ -70,9 +70,8 @@ def metrics_rows(metrics: dict[str, Any]) -> list[dict[str, Any]]:
 
 def registry_rows(registry: dict[str, Any]) -> list[dict[str, Any]]:
     """One table row per registry entry: the run, its content hash, the git revision and dvc.lock hash
-    it came from, its held-out metrics, and where its checkpoint is (registry object path)."""
+    it came from, its held-out metrics, and the model: its DVC artifact and GTO version."""
     rows = []
-    root = str(registry.get("registry") or "").rstrip("/")
     for e in registry.get("entries", []):
         ev = (e.get("metrics") or {}).get("eval") or {}
         best = ev.get("best_at_k") or {}
@@ -88,8 +87,8 @@ def registry_rows(registry: dict[str, Any]) -> list[dict[str, Any]]:
             row[f"best@{k}"] = round(float(best[k]), 3)
         if "reward_diversity" in ev:
             row["diversity"] = round(float(ev["reward_diversity"]), 3)
-        # last: the long object path would push the metrics out of view in the UI's table
-        row["path"] = f"{root}/objects/{e.get('hash')}" if root and e.get("hash") else ""
+        # last: the long artifact name would push the metrics out of view in the UI's table
+        row["model"] = f"{e.get('artifact') or ''} {e.get('version') or '(unversioned)'}".strip()
         rows.append(row)
     return rows
 

@@ -82,8 +82,9 @@ def test_outputs_and_registry_are_consistent(race: Race) -> None:
     registered hashes are those of the arm models, and the lock is free again."""
     import pandas as pd
 
+    from vpo.pipeline.checkpoints import content_hash
     from vpo.pipeline.locking import pipeline_lock, read_holder
-    from vpo.pipeline.registry import fetch, hash_checkpoint, list_entries, verify_entry
+    from vpo.pipeline.registry import Registry
 
     run = race.folder / "runs" / RUN_NAME
     leftovers = [p for p in run.rglob(".*") if p.name not in (".lock",)]
@@ -93,12 +94,12 @@ def test_outputs_and_registry_are_consistent(race: Race) -> None:
     metrics = json.loads((run / "eval" / "metrics.json").read_text())
     assert sorted(metrics["runs"]) == ["base-m1", "base-m3", "grpo-s0", "grpo_x3-s0", "max_at_k-s0", "vpo-s0"]
     registered = json.loads((run / "registry.json").read_text())["entries"]
-    entries = list_entries(race.folder / "registry")
-    assert sorted(e["hash"] for e in registered) == sorted(e.hash for e in entries)
+    reg = Registry(race.folder / "registry", race.folder)
+    entries, _, bad = reg.scan()
+    assert bad == [] and sorted(e["hash"] for e in registered) == sorted(e.hash for e in entries)
     for e in entries:
-        verify_entry(e)
-        assert hash_checkpoint(run / "arms" / str(e.arm) / "model")[0] == e.hash
-        fetch(e, race.folder / "fetched" / str(e.arm))
+        model = run / "arms" / str(e.arm) / "model"
+        assert content_hash(model) == e.hash and (model / "README.md").read_text() == reg.card(e)
     assert read_holder(run / ".lock") is None
     with pipeline_lock(run, RUN_NAME):
         pass

@@ -42,7 +42,8 @@ except ModuleNotFoundError:  # tests/ imported as a package
 from flows import plan as fplan
 from flows import report, tasks
 from flows import retrain as rt
-from vpo.pipeline.registry import content_hash, list_entries, verify_entry
+from vpo.pipeline.checkpoints import content_hash
+from vpo.pipeline.registry import Registry
 from vpo.pipeline.storage import scan_for_secrets, secret_values
 
 QUICK_LABELS = {"data", "rewards", "base", "train@grpo-s0", "train@vpo-s0", "train@grpo_x3-s0", "train@max_at_k-s0",
@@ -117,6 +118,8 @@ def test_artifact_keys_and_tables() -> None:
         "entries": [
             {
                 "arm": "vpo-s0",
+                "artifact": "route-quick-vpo-s0",
+                "version": "v0.0.2",
                 "hash": "ab" * 32,
                 "git_rev": "c" * 40,
                 "dvc_lock_sha256": "d" * 64,
@@ -128,9 +131,9 @@ def test_artifact_keys_and_tables() -> None:
         ]
     }
     row = report.registry_rows(reg)[0]
-    assert row == {"run": "vpo-s0", "path": "s3://b/registry/objects/" + "ab" * 32, "hash": "ab" * 8,
+    assert row == {"run": "vpo-s0", "model": "route-quick-vpo-s0 v0.0.2", "hash": "ab" * 8,
                    "git rev": "c" * 12, "dvc.lock": "d" * 12, "best@1": 0.5}
-    assert list(row)[-1] == "path"  # the long path last: the UI's table shows the metrics without scrolling
+    assert list(row)[-1] == "model"  # the long name last: the UI's table shows the metrics without scrolling
 
 
 # --------------------------------------------------------------------------- helpers over the API
@@ -348,7 +351,7 @@ def test_artifacts_report_metrics_registry_and_progress(quick_flow: FlowResult) 
     registry = _table(arts["route-quick-registry"])
     assert sorted(row["run"] for row in registry) == ["grpo-s0", "grpo_x3-s0", "max_at_k-s0", "vpo-s0"]
     for row in registry:  # where the checkpoint is, what it is, where it came from, how it scores
-        assert row["path"].startswith(f"s3://{quick_flow.bucket}/registry/objects/") and row["hash"] in row["path"]
+        assert row["model"] == f"route-quick-{row['run']} (unversioned)"  # the flow commits no dvc.lock
         assert len(row["git rev"]) >= 12 and row["dvc.lock"] != "none" and 0 <= row["best@5"] <= 1
     for key in ("route-quick-train-grpo-s0", "route-quick-train-vpo-s0", "route-quick-train-grpo-x3-s0"):
         assert arts[key].type == "progress" and float(arts[key].data) == 100.0, key
@@ -365,19 +368,20 @@ def test_artifacts_report_metrics_registry_and_progress(quick_flow: FlowResult) 
 def test_registry_holds_every_checkpoint_with_lineage(quick_flow: FlowResult) -> None:
     """S3 registry: one verified entry per arm run, with git rev, dvc.lock hash, params and metrics."""
     repo = quick_flow.repo
-    entries = list_entries(f"s3://{quick_flow.bucket}/registry")
+    reg = Registry(f"s3://{quick_flow.bucket}/registry", repo)
+    entries = reg.scan()[0]
     assert sorted(e.arm for e in entries) == ["grpo-s0", "grpo_x3-s0", "max_at_k-s0", "vpo-s0"]
     head = run(["git", "rev-parse", "HEAD"], repo).stdout.strip()
     lock_sha = hashlib.sha256((repo / "dvc.lock").read_bytes()).hexdigest()
     for e in entries:
-        verify_entry(e)
+        assert reg.verify(e) == []  # fetched back through DVC (the cache, or the S3 remote) and re-hashed
         assert e.git_rev == head and e.dvc_lock_sha256 == lock_sha
         assert e.lineage["pipeline"] == "route" and e.lineage["quick"] is True
         assert e.lineage["estimator"] == {"grpo-s0": "grpo", "vpo-s0": "vpo", "grpo_x3-s0": "grpo", "max_at_k-s0": "max_at_k"}[e.arm]
         assert e.params["trainer"]["max_steps"] == 4 and "best_at_k" in e.metrics["eval"]
         model = repo / "runs" / "route-quick" / "arms" / str(e.arm) / "model"
         model_files = {p.relative_to(model).as_posix() for p in model.rglob("*") if p.is_file()}
-        assert sorted(f.path for f in e.files) == sorted((model_files - set(e.left_out)) | {"README.md"})
+        assert sorted(f.path for f in e.files) == sorted(model_files - set(e.left_out) - {"README.md"})
         assert e.lineage["base_hash"] == content_hash(repo / "runs" / "route-quick" / "base")
 
 
@@ -547,7 +551,7 @@ def test_s3_outage_during_push_is_retried_and_registry_stays_consistent(
         "dvc/",
         after=5,
         seconds=5.0,
-        before_stop=lambda: seen_at_outage.append(len(list_entries(registry))),
+        before_stop=lambda: seen_at_outage.append(len(Registry(registry, repo).store.entries()[0])),
     ) as fired:
         state = rt.retrain(
             pipeline="route",
@@ -562,10 +566,11 @@ def test_s3_outage_during_push_is_retried_and_registry_stays_consistent(
     push = next(r for name, r in runs.items() if name.startswith("dvc-push"))
     assert push.run_count >= 2 and "AwaitingRetry" in _state_names(push.id)
     assert all(runs[label].run_count == 1 for label in QUICK_LABELS)
-    entries = list_entries(registry)
+    reg = Registry(registry, repo)
+    entries = reg.store.entries()[0]
     assert sorted(e.arm for e in entries) == ["grpo-s0", "grpo_x3-s0", "max_at_k-s0", "vpo-s0"]
     for e in entries:
-        verify_entry(e)
+        assert reg.verify(e) == []
     targets = fplan.make_plan("route", True, repo / "pipelines.yaml").dvc_targets
     assert "in sync" in run([DVC, "status", "-c", "-r", "storage", *targets], repo).stdout
 
@@ -596,7 +601,7 @@ def test_s3_outage_outlasting_retries_fails_before_registering(
     push = next(r for name, r in runs.items() if name.startswith("dvc-push"))
     assert push.run_count == 4 and push.state_type.value == "FAILED"
     assert not any(name.startswith(("register", "publish")) for name in runs)
-    assert list_entries(f"s3://{bucket}/registry") == []
+    assert Registry(f"s3://{bucket}/registry", repo).store.entries()[0] == []
 
 
 def test_overrides_reach_every_stage_and_leave_dvc_mode(tmp_path: Path) -> None:

@@ -478,8 +478,8 @@ def test_serve_script_fetches_registered_checkpoint_first() -> None:
     fetch_part, serve_part = out.stdout.split("--\n")
     fetch_argv = fetch_part.split()
     assert fetch_argv[1:5] == ["-m", "vpo.pipeline.cli", "registry", "fetch"]
-    dest = fetch_argv[fetch_argv.index("--dest") + 1]
+    dest = fetch_argv[-1]
     assert dest.endswith("/abc123def") and serve_part.split()[2] == dest
-    from vpo.pipeline.registry import main
+    from vpo.pipeline.registry.cli import main
 
     assert main(fetch_argv[4:] + ["--help"]) == 0  # `vpo registry ARGS` is the registry module's CLI

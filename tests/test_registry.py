@@ -1,423 +1,279 @@
-"""Checkpoint registry on a local folder and on the loopback S3 server: content hashing, lineage,
-entry-written-last atomicity under injected crashes, idempotence, verified fetch, no secrets."""
+"""The registry without git: model folders and content hashes, entries per (artifact, hash), what
+``latest`` / ``best`` / ``list`` show, the card in the model folder, no copy of the weights, temp
+files of killed writers, one-line storage errors on S3, and migrating an older registry."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
-import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
-from vpo.pipeline import registry
-from vpo.pipeline.registry import (
+from vpo.pipeline.checkpoints import (
+    FileRecord,
     IncompleteCheckpointError,
-    RegistryError,
     check_checkpoint,
-    fetch,
-    get_entry,
-    hash_checkpoint,
-    list_entries,
-    register,
-    verify_entry,
+    content_hash,
+    manifest_hash,
 )
-from vpo.pipeline.storage import get_filesystem, scan_for_secrets
+from vpo.pipeline.registry import Registry, RegistryInputError
+from vpo.pipeline.registry.cli import main
+from vpo.pipeline.registry.entries import StorageUnavailableError
+from vpo.pipeline.storage import scan_for_secrets
 
 
 def make_checkpoint(root: Path, *, seed: int = 0, weights_size: int = 4096) -> Path:
-    """A small but complete HF-style checkpoint folder (config, weights, tokenizer, nested file)."""
+    """A small but complete HF-style model folder (config, weights, tokenizer, a run-specific file)."""
     root.mkdir(parents=True, exist_ok=True)
-    (root / "config.json").write_text(json.dumps({"model_type": "tiny", "seed": seed}))
-    (root / "model.safetensors").write_bytes(
-        hashlib.sha256(str(seed).encode()).digest() * (weights_size // 32)
-    )
+    (root / "config.json").write_text(json.dumps({"model_type": "tiny"}))
+    (root / "model.safetensors").write_bytes(hashlib.sha256(str(seed).encode()).digest() * (weights_size // 32))
     (root / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 64}))
-    (root / "extra").mkdir(exist_ok=True)
-    (root / "extra" / "trainer_state.json").write_text(json.dumps({"global_step": 10 + seed}))
+    (root / "training_args.bin").write_bytes(f"args of {root}".encode())
     return root
 
 
+def metrics(best: dict[int, float], diversity: float = 1.0) -> dict:
+    """Metrics shaped like the pipeline's: training summary and one arm run's evaluation."""
+    return {"train": {"max_steps": 4}, "eval": {"best_at_k": {str(k): v for k, v in best.items()},
+                                                 "pass_at_k": {str(k): v / 2 for k, v in best.items()},
+                                                 "reward_diversity": diversity}}
+
+
 @pytest.fixture
-def repo(tmp_path: Path) -> Path:
-    """A git repo with a committed dvc.lock (the lineage sources)."""
-    r = tmp_path / "repo"
-    r.mkdir()
-    (r / "dvc.lock").write_text("schema: '2.0'\nstages: {}\n")
-    env = {
-        **os.environ,
-        "GIT_AUTHOR_NAME": "t",
-        "GIT_AUTHOR_EMAIL": "t@e",
-        "GIT_COMMITTER_NAME": "t",
-        "GIT_COMMITTER_EMAIL": "t@e",
-    }
-    subprocess.run(["git", "init", "-q"], cwd=r, check=True)
-    subprocess.run(["git", "add", "dvc.lock"], cwd=r, check=True)
-    subprocess.run(["git", "commit", "-qm", "init"], cwd=r, check=True, env=env)
-    return r
+def reg(tmp_path: Path) -> Registry:
+    """A local registry outside any git repository (versions and stages fall back to its own record)."""
+    return Registry(tmp_path / "registry", tmp_path)
 
 
-def tree(root: Path) -> dict[str, bytes]:
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+def cli(reg: Registry, *argv: str) -> int:
+    """``vpo registry ARGV`` on ``reg`` (its registry and project folder)."""
+    return main(["--registry", reg.store.url, "--repo", str(reg.dvc_repo), *argv])
 
 
-MODEL_FILES = {"config.json", "model.safetensors", "tokenizer_config.json"}  # of make_checkpoint
+def add(reg: Registry, folder: Path, arm: str = "vpo-s0", name: str = "route-quick", **kw):
+    entry, _ = reg.register(folder, name=name, arm=arm, path=None, **kw)
+    return entry
 
 
-def stored_tree(ckpt: Path) -> dict[str, bytes]:
-    """What the registry stores of ``ckpt``: its model files (no run-specific ones) and the card."""
-    return {k: v for k, v in tree(ckpt).items() if k in MODEL_FILES}
+# --------------------------------------------------------------------------- model folders
 
 
-# --------------------------------------------------------------------------- checkpoint checks
-
-
-@pytest.mark.parametrize(
-    ("breakage", "fragment"),
-    [
-        (lambda r: (r / "config.json").unlink(), "no model config"),
-        (lambda r: (r / "config.json").write_text("{not json"), "config.json is not valid JSON"),
-        (lambda r: (r / "model.safetensors").unlink(), "no weights"),
-        (lambda r: (r / "model.safetensors").write_bytes(b""), "empty weight files: model.safetensors"),
-        (lambda r: (r / "tokenizer_config.json").unlink(), "no tokenizer files"),
-        (
-            lambda r: (r / "model.safetensors.index.json").write_text(
-                json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors"}})
-            ),
-            "lists missing shards: model-00001-of-00002.safetensors",
-        ),
-    ],
-)
-def test_incomplete_checkpoints_are_rejected_and_nothing_registered(
-    tmp_path: Path, breakage, fragment: str
-) -> None:
+@pytest.mark.parametrize(("breakage", "fragment"), [
+    (lambda r: (r / "config.json").unlink(), "no model config"),
+    (lambda r: (r / "config.json").write_text("{not json"), "config.json is not valid JSON"),
+    (lambda r: (r / "model.safetensors").unlink(), "no weights"),
+    (lambda r: (r / "model.safetensors").write_bytes(b""), "empty weight files: model.safetensors"),
+    (lambda r: (r / "tokenizer_config.json").unlink(), "no tokenizer files"),
+    (lambda r: (r / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "m-1.safetensors"}})),
+     "lists missing shards: m-1.safetensors"),
+])
+def test_incomplete_model_folders_register_nothing(reg: Registry, tmp_path: Path, breakage, fragment: str) -> None:
     ckpt = make_checkpoint(tmp_path / "ckpt")
     breakage(ckpt)
     with pytest.raises(IncompleteCheckpointError, match=fragment) as err:
-        register(tmp_path / "reg", ckpt, name="route", arm="vpo")
-    assert str(ckpt) in str(err.value)
-    assert not (tmp_path / "reg").exists()
-
-
-def test_missing_folder_and_sharded_checkpoint(tmp_path: Path) -> None:
+        add(reg, ckpt)
+    assert str(ckpt) in str(err.value) and not (tmp_path / "registry").exists()
     with pytest.raises(IncompleteCheckpointError, match="does not exist"):
         check_checkpoint(tmp_path / "nope")
-    ckpt = make_checkpoint(tmp_path / "sharded")
-    (ckpt / "model.safetensors").rename(ckpt / "model-00001-of-00001.safetensors")
-    (ckpt / "model.safetensors.index.json").write_text(
-        json.dumps({"weight_map": {"w": "model-00001-of-00001.safetensors"}})
-    )
-    check_checkpoint(ckpt)  # complete: the index's shard exists
 
 
-def test_hash_covers_weight_and_tokenizer_files_only(tmp_path: Path) -> None:
-    a = make_checkpoint(tmp_path / "a")
-    b = make_checkpoint(tmp_path / "b")
-    digest, files = hash_checkpoint(a)
-    assert digest == hash_checkpoint(b)[0] == registry.content_hash(a)  # same content elsewhere: same hash
-    assert [f.path for f in files] == sorted(f.path for f in files)
-    assert {(f.path, f.role) for f in files} == {
-        ("config.json", "config"),
-        ("model.safetensors", "weights"),
-        ("tokenizer_config.json", "tokenizer"),
-    }
-    expected = hashlib.sha256()
-    for f in files:
-        if f.path != "config.json":
-            expected.update(
-                f"{f.path}\0{f.size}\0{hashlib.sha256((a / f.path).read_bytes()).hexdigest()}\n".encode()
-            )
-    assert digest == expected.hexdigest()  # the manifest of weights + tokenizer, nothing else
-    (b / "extra" / "trainer_state.json").rename(b / "extra" / "state.json")
-    (b / "training_args.bin").write_bytes(str(b).encode())  # run-specific: absolute path inside
-    (b / "config.json").write_text(json.dumps({"model_type": "tiny", "seed": 0, "use_cache": False}))
-    assert hash_checkpoint(b)[0] == digest  # run-specific files and the config are not hashed
-    (b / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 65}))
-    assert hash_checkpoint(b)[0] != digest  # the tokenizer is
-    (a / "model.safetensors").rename(a / "model-00001-of-00001.safetensors")
-    assert hash_checkpoint(a)[0] != digest  # a renamed weight file changes the hash
-    c = make_checkpoint(tmp_path / "c")
-    data = bytearray((c / "model.safetensors").read_bytes())
-    data[100] ^= 1
-    (c / "model.safetensors").write_bytes(bytes(data))
-    assert hash_checkpoint(c)[0] != digest  # one flipped bit changes the hash
+def test_content_hash_covers_weights_and_tokenizer_only(tmp_path: Path) -> None:
+    a, b = make_checkpoint(tmp_path / "a"), make_checkpoint(tmp_path / "b")
+    assert content_hash(a) == content_hash(b)  # training_args.bin differs, the hash does not
+    (b / "config.json").write_text(json.dumps({"model_type": "tiny", "x": 1}))
+    assert content_hash(a) == content_hash(b)
+    (b / "tokenizer_config.json").write_text("{}")
+    assert content_hash(a) != content_hash(b)
 
 
-# --------------------------------------------------------------------------- local registry
+# --------------------------------------------------------------------------- entries
 
 
-def test_register_local_records_lineage_and_round_trips(tmp_path: Path, repo: Path) -> None:
-    ckpt = make_checkpoint(tmp_path / "ckpt")
-    reg = tmp_path / "registry"
-    entry = register(
-        reg,
-        ckpt,
-        name="route",
-        arm="vpo",
-        params={"trainer": {"steps": 4}},
-        metrics={"best@5": 0.5},
-        lineage={"dataset_md5": "abc", "seed": 0},
-        repo_dir=repo,
-    )
-    head = subprocess.run(
-        ["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True
-    ).stdout.strip()
-    assert entry.hash == hash_checkpoint(ckpt)[0]
-    assert entry.git_rev == head and entry.git_dirty is False
-    assert entry.dvc_lock_sha256 == hashlib.sha256((repo / "dvc.lock").read_bytes()).hexdigest()
-    assert entry.params == {"trainer": {"steps": 4}} and entry.metrics == {"best@5": 0.5}
-    assert entry.lineage == {"dataset_md5": "abc", "seed": 0}
-    card = (reg / "objects" / entry.hash / "README.md").read_bytes()
-    assert entry.created_at.endswith("Z")
-    assert entry.size_bytes == sum(len(b) for b in stored_tree(ckpt).values()) + len(card)
-    assert entry.left_out == ("extra/trainer_state.json",)
-    stored = json.loads((reg / "entries" / f"{entry.hash}.json").read_text())
-    assert stored == entry.to_dict() and stored["schema"] == 2
-    assert tree(reg / "objects" / entry.hash) == {**stored_tree(ckpt), "README.md": card}
-    assert [e.hash for e in list_entries(reg)] == [entry.hash]
-    assert list_entries(reg, arm="grpo") == [] and list_entries(reg, name="route", arm="vpo") == [entry]
-    assert get_entry(reg, entry.hash[:8]) == entry
-    verify_entry(entry)
-    dest = fetch(get_entry(reg, entry.hash), tmp_path / "fetched")
-    assert tree(dest) == {**stored_tree(ckpt), "README.md": card}
-    assert fetch(entry, dest) == dest  # same content already there: no-op
-    assert entry.summary()["metric.best@5"] == 0.5
+def test_register_keeps_entry_and_card_but_no_weights(reg: Registry, tmp_path: Path) -> None:
+    ckpt = make_checkpoint(tmp_path / "ckpt", weights_size=1 << 16)
+    entry, why = reg.register(ckpt, name="route-quick", arm="vpo-s0", metrics=metrics({1: 0.5}),
+                              lineage={"estimator": "vpo", "task": "route", "base_hash": "b" * 64})
+    assert why == "the project is not a git repository" and entry.version is None
+    assert entry.artifact == "route-quick-vpo-s0" and entry.left_out == ("training_args.bin",)
+    assert {f.path: f.role for f in entry.files} == {"config.json": "config", "model.safetensors": "weights",
+                                                     "tokenizer_config.json": "tokenizer"}
+    assert all(f.md5 == hashlib.md5((ckpt / f.path).read_bytes()).hexdigest() for f in entry.files)
+    stored = [p for p in (tmp_path / "registry").rglob("*") if p.is_file()]
+    assert sorted(p.suffix for p in stored) == [".json", ".md"]
+    weights = (ckpt / "model.safetensors").read_bytes()
+    assert sum(p.stat().st_size for p in stored) < len(weights) // 4  # entries and a card, never the weights
+    assert all(weights[:4096] not in p.read_bytes() for p in stored)
+    card = (ckpt / "README.md").read_text()
+    assert card == reg.card(entry) and "route-quick-vpo-s0" in card
+    assert content_hash(ckpt) == entry.hash  # the card in the folder changes nothing
 
 
-def test_dirty_tree_and_no_git_are_recorded(tmp_path: Path, repo: Path) -> None:
-    (repo / "dvc.lock").write_text("changed\n")
-    e1 = register(tmp_path / "reg", make_checkpoint(tmp_path / "c1"), name="n", repo_dir=repo)
-    assert e1.git_dirty is True
-    plain = tmp_path / "plain"
-    plain.mkdir()
-    e2 = register(tmp_path / "reg", make_checkpoint(tmp_path / "c2", seed=2), name="n", repo_dir=plain)
-    assert (e2.git_rev, e2.git_dirty, e2.dvc_lock_sha256) == (None, None, None)
+def test_identical_weights_from_two_runs_stay_findable_by_their_own_names(reg: Registry, tmp_path: Path,
+                                                                          capsys) -> None:
+    a = add(reg, make_checkpoint(tmp_path / "a"), arm="grpo-s0")
+    b = add(reg, make_checkpoint(tmp_path / "b"), arm="vpo-s0")
+    assert a.hash == b.hash and a.artifact != b.artifact
+    assert reg.get("route-quick-vpo-s0").arm == "vpo-s0" and reg.get("route-quick-grpo-s0").arm == "grpo-s0"
+    assert cli(reg, "list", "--arm", "vpo-s0", "--json") == 0
+    assert [json.loads(line)["artifact"] for line in capsys.readouterr().out.splitlines()] == ["route-quick-vpo-s0"]
+    with pytest.raises(RegistryInputError, match="matches 2 entries"):
+        reg.get(a.hash[:8])
 
 
-def test_registering_twice_is_idempotent(tmp_path: Path) -> None:
-    reg = tmp_path / "reg"
-    first = register(reg, make_checkpoint(tmp_path / "a"), name="route", arm="grpo", metrics={"m": 1})
-    again = register(reg, make_checkpoint(tmp_path / "b"), name="route", arm="grpo", metrics={"m": 2})
-    assert again == first and again.metrics == {"m": 1} and again.created_at == first.created_at
-    assert len(list((reg / "entries").iterdir())) == 1 and len(list((reg / "objects").iterdir())) == 1
+def test_latest_follows_training_not_registration(reg: Registry, tmp_path: Path) -> None:
+    """Default run, then a max_steps=60 run, then the default again with identical weights: latest is
+    the default; re-registering the unchanged folder (a repair) moves nothing and keeps created_at."""
+    default = make_checkpoint(tmp_path / "default", seed=0)
+    first = add(reg, default, params={"trainer": {"max_steps": 4}})
+    time.sleep(0.01)
+    long_run = add(reg, make_checkpoint(tmp_path / "long", seed=1), params={"trainer": {"max_steps": 60}})
+    assert reg.get("route-quick@latest").hash == long_run.hash
+    again = add(reg, default, params={"trainer": {"max_steps": 4}})  # a repair: same files, same times
+    assert (again.created_at, again.trained_at) == (first.created_at, first.trained_at)
+    assert reg.get("route-quick@latest").hash == long_run.hash
+    later = time.time() + 5  # the default run trained again and wrote identical weights
+    os.utime(default / "model.safetensors", (later, later))
+    retrained = add(reg, default, params={"trainer": {"max_steps": 4}})
+    assert retrained.created_at == first.created_at and retrained.trained_at > long_run.trained_at
+    assert reg.get("route-quick@latest").hash == first.hash
 
 
-def test_crash_while_copying_objects_registers_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    ckpt = make_checkpoint(tmp_path / "ckpt")
-    reg = tmp_path / "reg"
-    real = registry._copy_verified
-    calls = {"n": 0}
-
-    def crash_on_second(src, rec, out):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise OSError("worker killed (injected)")
-        return real(src, rec, out)
-
-    monkeypatch.setattr(registry, "_copy_verified", crash_on_second)
-    with pytest.raises(RegistryError, match="injected"):
-        register(reg, ckpt, name="route", arm="vpo")
-    assert list_entries(reg) == []
-    assert not (reg / "objects").exists() or list((reg / "objects").iterdir()) == []  # temp dir removed
-    monkeypatch.setattr(registry, "_copy_verified", real)
-    entry = register(reg, ckpt, name="route", arm="vpo")
-    verify_entry(entry)
-
-
-def test_crash_before_entry_write_leaves_no_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    ckpt = make_checkpoint(tmp_path / "ckpt")
-    reg = tmp_path / "reg"
-
-    def die(self, digest, text):
-        raise KeyboardInterrupt("SIGINT before the entry (injected)")
-
-    monkeypatch.setattr(registry._Store, "create_entry", die)
-    with pytest.raises(KeyboardInterrupt):
-        register(reg, ckpt, name="route")
-    assert list_entries(reg) == [] and list((reg / "objects").iterdir())  # objects alone are not an entry
-    monkeypatch.undo()
-    assert register(reg, ckpt, name="route").hash == hash_checkpoint(ckpt)[0]
-    assert [p.name for p in (reg / "entries").iterdir()] == [
-        f"{hash_checkpoint(ckpt)[0]}.json"
-    ]  # no temp left
+def test_best_and_list_show_metrics_stages_and_the_settings_that_differ(reg: Registry, tmp_path: Path,
+                                                                        capsys) -> None:
+    add(reg, make_checkpoint(tmp_path / "a", seed=1), metrics=metrics({1: 0.5, 5: 0.6}),
+        params={"trainer": {"max_steps": 4, "learning_rate": 1e-4}, "seed": 0})
+    top = add(reg, make_checkpoint(tmp_path / "b", seed=2), metrics=metrics({1: 0.4, 5: 0.8}),
+              params={"trainer": {"max_steps": 60, "learning_rate": 1e-4}, "seed": 0})
+    assert reg.get("route-quick@best").hash == top.hash
+    assert cli(reg, "best", "--metric", "eval.best_at_k.1") == 0
+    assert "eval.best_at_k.1=0.5" in capsys.readouterr().out
+    assert cli(reg, "best", "--metric", "eval.nope") == 2
+    assert "numeric metrics of the newest entry: eval.best_at_k.1" in capsys.readouterr().err
+    assert cli(reg, "promote", top.hash[:10], "--stage", "production") == 0
+    assert "kept in the registry's own record because not a git repository" in capsys.readouterr().out
+    assert cli(reg, "list") == 0
+    out = capsys.readouterr().out.splitlines()
+    row = next(line for line in out if top.hash[:12] in line)
+    assert "latest,best,production" in row and "trainer.max_steps=60" in row and "learning_rate" not in row
+    assert "0.8 (k=5)" in row
+    assert reg.get("production").hash == top.hash == reg.get("route-quick@production").hash
+    assert cli(reg, "promote", "production", "--stage", "production", "--remove") == 0
+    with pytest.raises(RegistryInputError, match="matches no entry"):
+        reg.get("production")
+    assert cli(reg, "promote", "best", "--stage", "latest") == 2
 
 
-def test_checkpoint_modified_during_registration_is_refused(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    ckpt = make_checkpoint(tmp_path / "ckpt")
-    real_hash = registry._inspect
-
-    def hash_then_writer_appends(path):
-        out = real_hash(path)
-        with open(Path(path) / "model.safetensors", "ab") as fh:  # the trainer is still writing
-            fh.write(b"more")
-        return out
-
-    monkeypatch.setattr(registry, "_inspect", hash_then_writer_appends)
-    with pytest.raises(RegistryError, match="changed while it was being registered"):
-        register(tmp_path / "reg", ckpt, name="route")
-    assert list_entries(tmp_path / "reg") == []
-
-
-def test_fetch_detects_corrupt_and_missing_objects(tmp_path: Path) -> None:
-    reg = tmp_path / "reg"
-    entry = register(reg, make_checkpoint(tmp_path / "ckpt"), name="route")
-    obj = reg / "objects" / entry.hash / "model.safetensors"
-    good = obj.read_bytes()
-    obj.write_bytes(b"X" + good[1:])  # same size, different bytes
-    with pytest.raises(RegistryError, match="model.safetensors is corrupt"):
-        fetch(entry, tmp_path / "out")
-    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
-    obj.unlink()
-    with pytest.raises(RegistryError, match="model.safetensors is missing"):
-        verify_entry(entry)
-    with pytest.raises(RegistryError, match="is missing from the registry"):
-        fetch(entry, tmp_path / "out")
-
-
-def test_fetch_refuses_to_clobber_other_content(tmp_path: Path) -> None:
-    reg = tmp_path / "reg"
-    entry = register(reg, make_checkpoint(tmp_path / "ckpt"), name="route")
+def test_fetch_conflict_names_the_cli_flag(reg: Registry, tmp_path: Path, capsys) -> None:
+    entry = add(reg, make_checkpoint(tmp_path / "ckpt"))
     other = make_checkpoint(tmp_path / "other", seed=5)
-    with pytest.raises(RegistryError, match="already exists with other content"):
-        fetch(entry, other)
-    assert fetch(entry, other, overwrite=True) == other and hash_checkpoint(other)[0] == entry.hash
+    assert cli(reg, "fetch", entry.hash[:8], str(other)) == 1
+    assert "already exists with other content; fetch with --overwrite to replace it" in capsys.readouterr().err
 
 
-def test_get_entry_key_errors(tmp_path: Path) -> None:
-    reg = tmp_path / "reg"
-    e1 = register(reg, make_checkpoint(tmp_path / "a"), name="x")
-    with pytest.raises(RegistryError, match=">= 6 hex digits"):
-        get_entry(reg, "ab")
-    with pytest.raises(RegistryError, match="no entry matching"):
-        get_entry(reg, "ffffff" if not e1.hash.startswith("ffffff") else "000000")
-    with pytest.raises(RegistryError, match="no entry"):
-        get_entry(reg, "0" * 64 if e1.hash != "0" * 64 else "1" * 64)
+def test_stale_temp_files_are_removed_by_a_rerun_and_by_verify(reg: Registry, tmp_path: Path, capsys) -> None:
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    entry = add(reg, ckpt)
+    folder = tmp_path / "registry" / "entries" / entry.artifact
+    old_layout = tmp_path / "registry" / "objects" / f".{entry.hash}.tmp-x1"  # what a killed older version left
+    old_layout.mkdir(parents=True)
+    (old_layout / "model.safetensors").write_bytes(b"w" * 4096)
+    stale, young = folder / f".{entry.hash}.json.tmp-dead", folder / f".{entry.hash}.json.tmp-busy"
+    stale.write_text("{")
+    young.write_text("{")
+    past = time.time() - 3600
+    for p in (stale, old_layout):
+        os.utime(p, (past, past))
+    add(reg, ckpt)
+    assert not stale.exists() and not old_layout.exists() and young.exists()  # a young one may be a live writer
+    os.utime(young, (past, past))  # its writer was killed after all: verify removes it too
+    assert cli(reg, "verify") == 1  # this entry's weights are in no DVC project here: verify says so
+    assert f"removed entries/{entry.artifact}/{young.name}" in capsys.readouterr().out and not young.exists()
 
 
-def test_module_cli_lists_and_fetches(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    reg = tmp_path / "reg"
-    entry = register(reg, make_checkpoint(tmp_path / "ckpt"), name="route", arm="vpo")
-    assert registry.main(["list", "--registry", str(reg), "--json"]) == 0
-    row = json.loads(capsys.readouterr().out.strip())
-    assert row["hash"] == entry.hash[:12] and row["arm"] == "vpo"
-    assert (
-        registry.main(
-            ["fetch", "--registry", str(reg), "--entry", entry.hash[:10], "--dest", str(tmp_path / "d")]
-        )
-        == 0
-    )
-    assert stored_tree(tmp_path / "d") == stored_tree(tmp_path / "ckpt")
-    assert registry.main(["show", "--registry", str(reg), "--entry", "abcdef0"]) == 2
-    assert "error: no entry matching" in capsys.readouterr().err
+def test_unreadable_entry_files_are_named_and_never_hide_the_others(reg: Registry, tmp_path: Path, capsys) -> None:
+    good = add(reg, make_checkpoint(tmp_path / "ckpt"))
+    bad = tmp_path / "registry" / "entries" / "route-quick-grpo-s0" / f"{'0' * 64}.json"
+    bad.parent.mkdir(parents=True)
+    bad.write_text("{not json")
+    forged = json.loads((tmp_path / "registry" / "entries" / good.artifact / f"{good.hash}.json").read_text())
+    forged["artifact"] = "route-quick-grpo-s0"
+    next(f for f in forged["files"] if f["role"] == "weights")["size"] += 1  # a manifest that does not hash to its name
+    (bad.parent / f"{good.hash}.json").write_text(json.dumps(forged))
+    assert cli(reg, "list") == 0
+    captured = capsys.readouterr()
+    assert good.hash[:12] in captured.out and captured.err.count("warning: entry file") == 2
+    assert "does not hash to" in captured.err
 
 
-# --------------------------------------------------------------------------- S3 registry
+def test_no_secret_reaches_entries_cards_or_output(reg: Registry, tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("VPO_TEST_API_TOKEN", "tok-" + "s3cr3t" * 4)
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    add(reg, ckpt, params={"note": f"uses {os.environ['VPO_TEST_API_TOKEN']}"})
+    assert cli(reg, "show", "latest") == 0
+    assert "s3cr3t" not in capsys.readouterr().out
+    assert scan_for_secrets([tmp_path / "registry", ckpt / "README.md"]) == []
 
 
-def test_register_on_s3_round_trip_and_idempotent(tmp_path: Path, s3_server, s3_bucket: str) -> None:
+# --------------------------------------------------------------------------- an older registry
+
+
+def test_migrate_moves_an_older_registry_and_its_weights_still_fetch(tmp_path: Path, capsys) -> None:
+    """entries/<hash>.json, objects/<hash>/ and aliases/<name>/<alias>.json, as earlier versions wrote."""
+    old = tmp_path / "old"
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    files = []
+    for name, role in (("config.json", "config"), ("model.safetensors", "weights"), ("tokenizer_config.json", "tokenizer")):
+        data = (ckpt / name).read_bytes()
+        files.append(FileRecord(name, len(data), hashlib.sha256(data).hexdigest(), role=role))
+        (old / "objects" / "H" / name).parent.mkdir(parents=True, exist_ok=True)
+        (old / "objects" / "H" / name).write_bytes(data)
+    digest = manifest_hash(files)
+    (old / "objects" / "H").rename(old / "objects" / digest)
+    entry = {"hash": digest, "name": "route", "arm": "vpo-s0", "created_at": "2026-01-02T03:04:05.000Z",
+             "git_rev": None, "git_dirty": None, "dvc_lock_sha256": None, "params": {}, "metrics": metrics({1: 0.3}),
+             "lineage": {}, "size_bytes": 1, "schema": 2, "left_out": [],
+             "files": [{"path": f.path, "size": f.size, "sha256": f.sha256, "role": f.role} for f in files]}
+    (old / "entries").mkdir()
+    (old / "entries" / f"{digest}.json").write_text(json.dumps(entry))
+    (old / "aliases" / "route").mkdir(parents=True)
+    (old / "aliases" / "route" / "production.json").write_text(json.dumps({"alias": "production", "name": "route",
+                                                                           "hash": digest, "set_at": "x"}))
+    assert main(["--registry", str(old), "list"]) == 0
+    assert "older registry layout: run `vpo registry migrate`" in capsys.readouterr().err
+    assert main(["--registry", str(old), "migrate"]) == 0
+    assert "alias route@production -> stage production of route-vpo-s0" in capsys.readouterr().out
+    reg = Registry(old, tmp_path)
+    moved = reg.get("route@production")
+    assert (moved.artifact, moved.created_at, moved.objects) == ("route-vpo-s0", entry["created_at"], f"objects/{digest}")
+    dest, how = reg.fetch(moved, tmp_path / "fetched")
+    assert content_hash(dest) == digest and "objects" in how and (dest / "README.md").is_file()
+    assert reg.verify(moved) == []
+    (old / "objects" / digest / "model.safetensors").write_bytes(b"x" * 4096)
+    assert "model.safetensors is corrupt" in reg.verify(moved)[0]
+    assert not (old / "aliases" / "route" / "production.json").exists() and not (old / "entries" / f"{digest}.json").exists()
+
+
+# --------------------------------------------------------------------------- S3
+
+
+def test_s3_registry_round_trip_and_one_line_errors_while_the_endpoint_is_down(tmp_path: Path, s3_server,
+                                                                               s3_bucket: str, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # botocore's own retries only make the outage slower to report
     url = f"s3://{s3_bucket}/registry"
-    ckpt = make_checkpoint(tmp_path / "ckpt")
-    entry = register(url, ckpt, name="route", arm="grpo_x3", metrics={"best@1": 0.25})
-    client = s3_server.client()
-    keys = sorted(o["Key"] for o in client.list_objects_v2(Bucket=s3_bucket)["Contents"])
-    assert keys == sorted(
-        [f"registry/entries/{entry.hash}.json"]
-        + [f"registry/objects/{entry.hash}/{f.path}" for f in entry.files]
-    )
-    head = client.head_object(Bucket=s3_bucket, Key=f"registry/objects/{entry.hash}/model.safetensors")
-    assert head["Metadata"]["vpo-sha256"] == next(
-        f.sha256 for f in entry.files if f.path == "model.safetensors"
-    )
-    assert get_entry(url, entry.hash[:7]) == entry and list_entries(url) == [entry]
-    assert stored_tree(fetch(entry, tmp_path / "out")) == stored_tree(ckpt)
-    again = register(url, make_checkpoint(tmp_path / "copy"), name="other")
-    assert again == entry and again.name == "route"
-
-
-def test_s3_interrupted_upload_leaves_no_entry_and_resumes(
-    tmp_path: Path, s3_server, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    url = f"s3://{s3_bucket}/reg"
-    ckpt = make_checkpoint(tmp_path / "ckpt", weights_size=64 * 1024)
-    fs, _ = get_filesystem(url)
-    real_open = type(fs).open
-    opened: list[str] = []
-
-    def flaky_open(self, path, mode="rb", **kw):
-        if "w" in mode:
-            opened.append(path)
-            if len(opened) == 3 and not fail_once.get("done"):
-                fail_once["done"] = True
-                raise ConnectionError("connection reset during upload (injected)")
-        return real_open(self, path, mode, **kw)
-
-    fail_once: dict[str, bool] = {}
-
-    monkeypatch.setattr(type(fs), "open", flaky_open)
-    with pytest.raises(ConnectionError):
-        register(url, ckpt, name="route")
-    assert list_entries(url) == []
-    listing = s3_server.client().list_objects_v2(Bucket=s3_bucket).get("Contents", [])
-    assert len(listing) == 2 and not any("entries/" in o["Key"] for o in listing)
-    opened.clear()
-    entry = register(url, ckpt, name="route")  # retry uploads only what is missing (re-hashed)
-    # the card and config.json survived the first attempt intact and are not uploaded again
-    uploaded = sorted(p.rsplit("/", 1)[1] for p in opened)
-    assert uploaded == ["model.safetensors", "tokenizer_config.json"] and len(entry.files) == 4
-    verify_entry(entry)
-
-
-def test_s3_outage_then_retry(
-    tmp_path: Path, s3_server, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    url = f"s3://{s3_bucket}/reg"
-    ckpt = make_checkpoint(tmp_path / "ckpt")
-    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # fail fast instead of botocore's retry loop
-    monkeypatch.setenv("AWS_RETRY_MODE", "standard")
-    import fsspec
-
-    fsspec.filesystem("s3").clear_instance_cache()
+    reg = Registry(url, tmp_path)
+    entry = add(reg, make_checkpoint(tmp_path / "ckpt"), metrics=metrics({1: 0.5}))
+    keys = sorted(o["Key"] for o in s3_server.client().list_objects_v2(Bucket=s3_bucket)["Contents"])
+    assert keys == [f"registry/entries/{entry.artifact}/{entry.hash}.{x}" for x in ("json", "md")]
+    assert Registry(url, tmp_path).get("latest") == entry
     with s3_server.outage():
-        with pytest.raises(Exception) as err:
-            register(url, ckpt, name="route")
-        assert not isinstance(err.value, AssertionError)
-    assert list_entries(url) == []
-    entry = register(url, ckpt, name="route")
-    verify_entry(entry)
-
-
-def test_no_secret_reaches_registry_objects_entries_or_logs(
-    tmp_path: Path, s3_server, s3_bucket: str, caplog: pytest.LogCaptureFixture
-) -> None:
-    url = f"s3://{s3_bucket}/reg"
-    ckpt = make_checkpoint(tmp_path / "ckpt")
-    caplog.set_level(logging.DEBUG, logger="vpo")
-    # a careless caller passes the environment-derived settings as params: they must be masked
-    params = {
-        "storage": {
-            "registry": url,
-            "endpoint": s3_server.endpoint,
-            "oops": os.environ["AWS_SECRET_ACCESS_KEY"],
-        }
-    }
-    entry = register(url, ckpt, name="route", params=params, lineage={"by": "test"})
-    assert entry.params["storage"]["oops"] == "***"
-    fetched = fetch(entry, tmp_path / "fetched")
-    dump = tmp_path / "bucket-dump"
-    client = s3_server.client()
-    for obj in client.list_objects_v2(Bucket=s3_bucket)["Contents"]:
-        target = dump / obj["Key"]
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(client.get_object(Bucket=s3_bucket, Key=obj["Key"])["Body"].read())
-    (tmp_path / "log.txt").write_text(caplog.text)
-    secrets = [s3_server.secret_key, s3_server.access_key]
-    assert scan_for_secrets([dump, fetched, tmp_path / "log.txt"], extra=secrets) == []
-    assert caplog.text and "registered checkpoint" in caplog.text
-    for s in secrets:
-        assert s not in json.dumps(entry.to_dict())
+        with pytest.raises(StorageUnavailableError, match="could not .*check the storage is reachable"):
+            add(Registry(url, tmp_path), make_checkpoint(tmp_path / "ckpt2", seed=2))
+        for argv in (["list"], ["best"], ["verify"], ["show", "latest"]):
+            assert main(["--registry", url, "--repo", str(tmp_path), *argv]) == 1, argv
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and err.startswith("error: registry s3://"), err
+            assert "Traceback" not in err
+    assert Registry(url, tmp_path).get("latest") == entry  # nothing was lost

@@ -29,7 +29,7 @@ import warnings
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -200,6 +200,14 @@ def dimension_reward_funcs(reward: VectorReward, m: int) -> list[Any]:
 class VPOTrainer(GRPOTrainer):
     """GRPOTrainer whose advantages come from :mod:`vpo.advantages` on vector-scored answer sets."""
 
+    # TRL's model card and Hub tags (create_model_card, on every checkpoint) name the trainer and paper
+    _name = "VPO"
+    _tag_names = ("trl", "vpo")
+    _paper: ClassVar[dict[str, str]] = {
+        "title": "Vector Policy Optimization", "id": "2605.22817",
+        "citation": "@misc{vpo2026,\n    title         = {{Vector Policy Optimization}},\n    year          = 2026,\n"
+                    "    eprint        = {2605.22817},\n    archivePrefix = {arXiv},\n}"}
+
     def __init__(self, model: Any, reward: VectorReward, args: VPOConfig, **kwargs: Any) -> None:
         if not isinstance(args, VPOConfig):
             raise TypeError("VPOTrainer needs a VPOConfig")
@@ -210,6 +218,10 @@ class VPOTrainer(GRPOTrainer):
         if self._w_star.shape != (reward.dim,):
             raise ValueError(f"w_star has {self._w_star.shape[0]} entries, the reward has {reward.dim} dimensions")
         self._estimator = get_estimator(args.estimator)
+        if args.estimator != "vpo":  # a baseline arm: the card and tags name the estimator it trained with
+            self._name = f"the {args.estimator} estimator of the VPO trainer"
+            self._tag_names = ("trl", "vpo", args.estimator)
+            self._paper = {"citation": self._paper["citation"]}
         self._row_weights_column: str | None = getattr(self._estimator, "row_weights_column", None)
         for name in ("train_dataset", "eval_dataset"):
             columns = getattr(kwargs.get(name), "column_names", None)

@@ -58,7 +58,7 @@ if [[ -n "$registry$entry" ]]; then
   [[ -n "$registry" && -n "$entry" ]] || die "--registry and --entry go together"
   [[ -z "$model" ]] || die "give either MODEL or --registry/--entry, not both"
   model="$cache/$entry"
-  fetch=("$python_bin" -m vpo.pipeline.cli registry fetch --registry "$registry" --entry "$entry" --dest "$model")
+  fetch=("$python_bin" -m vpo.pipeline.cli registry fetch --registry "$registry" "$entry" "$model")
   if [[ $dry_run -eq 1 ]]; then
     printf '%s\n' "${fetch[@]}"; echo "--"
   else

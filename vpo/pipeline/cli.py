@@ -5,7 +5,7 @@
     vpo stage NAME --variant V [--params params.yaml]   the settings of a generated params.yaml (dvc.yaml)
     vpo flow | ui | serve [--pipeline P] [--quick] [--set K=V]   the Prefect retrain flow
     vpo dvc [--check] [--add V] [--remove V]        regenerate (or check) dvc.yaml and params.yaml
-    vpo registry list|show|...                      the checkpoint registry
+    vpo registry list|show|best|fetch|promote|verify|migrate   registered models (DVC artifacts, GTO stages)
     vpo pipelines                                   the pipelines in pipelines.yaml
 
 A stage runs only when its output does not answer the current settings, code and inputs (it says
@@ -126,7 +126,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="declare this variant in dvc.yaml too (route: the full main job)")
     p_dvc.add_argument("--remove", action="append", default=[], metavar="VARIANT",
                        help="stop declaring this variant in dvc.yaml")
-    p_reg = sub.add_parser("registry", help="the checkpoint registry (list, show, best, fetch, promote, verify)",
+    p_reg = sub.add_parser("registry", help="registered models: list, show, best, fetch, promote, verify, migrate",
                            add_help=False)
     p_reg.add_argument("rest", nargs=argparse.REMAINDER)
     sub.add_parser("pipelines", help="list pipelines").add_argument("--config", default="pipelines.yaml")
@@ -216,18 +216,19 @@ def _stage(args: argparse.Namespace, cfg: Any) -> int:
     return 0
 
 
-def _default_registry(argv: Sequence[str]) -> str | None:
-    """The default pipeline's ``storage.registry`` when a pipelines.yaml is here (else None); not read
-    when ``--registry`` or ``$VPO_REGISTRY`` names the registry (the file may be broken, or absent)."""
+def _default_storage(argv: Sequence[str]) -> tuple[str | None, tuple[str, str] | None]:
+    """The default pipeline's ``storage.registry`` and DVC remote (URL, name) when a pipelines.yaml is here;
+    not read when ``--registry`` or ``$VPO_REGISTRY`` names the registry (the file may be broken, or absent)."""
     from vpo.pipeline.config import ConfigError, load_pipeline
 
     if os.environ.get("VPO_REGISTRY") or any(a == "--registry" or a.startswith("--registry=") for a in argv):
-        return None
+        return None, None
     try:
         cfg = load_pipeline(None, "pipelines.yaml")
     except ConfigError:
-        return None
-    return cfg.resolve_url(cfg.storage.registry)
+        return None, None
+    remote = (cfg.resolve_url(cfg.storage.dvc_remote), cfg.storage.dvc_remote_name) if cfg.storage.dvc_remote else None
+    return cfg.resolve_url(cfg.storage.registry), remote
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -235,9 +236,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ.setdefault(k, v)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["registry"]:  # the registry's own CLI takes every argument after it (--help included)
-        from vpo.pipeline.registry import main as registry_main
+        from vpo.pipeline.registry.cli import main as registry_main
 
-        return registry_main(argv[1:], default_registry=_default_registry(argv[1:]), prog="vpo registry")
+        registry, remote = _default_storage(argv[1:])
+        return registry_main(argv[1:], default_registry=registry, default_remote=remote, prog="vpo registry")
     args = _parser().parse_args(argv)
     if args.cmd == "pipelines":
         from vpo.pipeline.config import ConfigError, load_all
@@ -282,7 +284,7 @@ def _job(args: argparse.Namespace, cfg: Any) -> int:
     """``vpo run`` / ``vpo stage``: exit 0 done, 2 bad input, 3 locked (one ``error:`` line each)."""
     from vpo.pipeline.errors import EXIT_BAD_INPUT, EXIT_LOCKED, StageError
     from vpo.pipeline.locking import LockBusyError
-    from vpo.pipeline.registry import RegistryError
+    from vpo.pipeline.registry.entries import RegistryError, StorageUnavailableError
     from vpo.pipeline.storage import redact
     from vpo.pipeline.validation import ValidationError
     from vpo.rewards import RewardError
@@ -291,14 +293,22 @@ def _job(args: argparse.Namespace, cfg: Any) -> int:
         if args.cmd == "run":
             from vpo.pipeline.runner import run_all
 
-            run_all(cfg, search=not args.no_search, force=args.force)
+            results = run_all(cfg, search=not args.no_search, force=args.force)
             _print_tables(cfg, ran_search=not args.no_search)
+            from vpo.pipeline.console import log
+            from vpo.pipeline.dvcgen import record_run
+
+            if line := record_run(cfg, list(results)):  # dvc.lock agrees with what vpo ran
+                log(line)
             return 0
         if args.cmd == "stage":
             return _stage(args, cfg)
     except LockBusyError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_LOCKED
+    except StorageUnavailableError as exc:  # an unreachable registry: one line, and a retry may help
+        print(f"error: {redact(str(exc))}", file=sys.stderr)
+        return 1
     except (StageError, RewardError, RegistryError, ValidationError) as exc:
         print(f"error: {redact(str(exc))}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -78,7 +78,9 @@ STAGES: tuple[Stage, ...] = (
                 "vpo/evaluate.py", "vpo/metrics.py"),
           optional=True, scratch=("checkpoints",)),
     Stage("register", "register every arm checkpoint (content hash, lineage, metrics) in the registry",
-          register.run, inputs=("train", "evaluate"), params=("storage",), code=("vpo/pipeline/registry.py",),
+          register.run, inputs=("train", "evaluate"), params=("storage",),
+          code=("vpo/pipeline/registry/__init__.py", "vpo/pipeline/registry/entries.py",
+                "vpo/pipeline/registry/store.py", "vpo/pipeline/registry/versions.py", "vpo/pipeline/hub.py"),
           cached=False, in_dvc=False),
 )
 

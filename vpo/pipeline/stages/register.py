@@ -1,46 +1,37 @@
-"""Stage ``register``: every arm run's final model into the checkpoint registry (local or ``s3://``).
+"""Stage ``register``: every arm run's final model into the model registry.
 
-Each entry records the checkpoint's content hash, the git revision, the ``dvc.lock`` hash, every
-pipeline setting, the run's training and evaluation metrics and its lineage. Every input is read and
-checked first, so one unreadable metrics file registers nothing rather than half the runs.
+The weights stay where DVC tracks them (each run's model folder is the artifact ``<variant>-<arm>-s<seed>``
+of ``dvc.yaml``); the registry records an entry per run (content hash, metrics, lineage, settings) and
+the model card, which is also written into the model folder. When HEAD's ``dvc.lock`` records these
+very weights, a GTO version tag marks the commit; otherwise one line says why. Every input is read
+and checked first, so one unreadable metrics file registers nothing rather than half the runs.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-from pathlib import Path
 from typing import Any
 
 from vpo.atomic import atomic_write_json
 from vpo.pipeline.checkpoints import check_model_dir
-from vpo.pipeline.console import detail
+from vpo.pipeline.console import detail, log
 from vpo.pipeline.context import StageContext
 from vpo.pipeline.hub import push_runs
 from vpo.pipeline.inputs import read_json, stage_command
-from vpo.pipeline.layout import arm_runs
+from vpo.pipeline.layout import RunLayout, arm_runs
 from vpo.pipeline.storage import redact
 
-__all__ = ["repo_root", "run"]
+__all__ = ["run"]
 
 
-def repo_root(start: Path) -> Path:
-    """The repository holding ``start`` (a folder with .git or dvc.yaml), else ``start``."""
-    for p in [start, *start.parents]:
-        if (p / ".git").exists() or (p / "dvc.yaml").exists():
-            return p
-    return start
-
-
-def _entry_dict(entry: Any) -> dict[str, Any]:
-    if hasattr(entry, "to_dict"):
-        return entry.to_dict()
-    return json.loads(json.dumps(dataclasses.asdict(entry), default=str))
+def _base_model(cfg: Any) -> str | None:
+    """The base model's Hub id when it came from the Hub (None for a local folder or a model built here)."""
+    return cfg.model.path_or_id if cfg.model.path_or_id and not cfg.model.is_local_path else None
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
     """Register every enabled arm run; writes ``registry.json`` with the entries."""
-    from vpo.pipeline.registry import content_hash, register
+    from vpo.pipeline.checkpoints import content_hash
+    from vpo.pipeline.registry import Registry
 
     cfg, layout = ctx.cfg, ctx.layout
     url = cfg.resolve_url(cfg.storage.registry)
@@ -52,19 +43,24 @@ def run(ctx: StageContext) -> dict[str, Any]:
         fix = f"retrain it with `{stage_command(cfg, 'train', r.rid)}`"
         inputs[r.rid] = read_json(layout.arm_metrics(r.rid), fix)
         check_model_dir(layout.arm_model(r.rid), f"arm run {r.rid}", fix)
-    base_hash = content_hash(layout.base)
-    entries = []
+    lineage = {"base_hash": content_hash(layout.base), "base_model": _base_model(cfg), "pipeline": cfg.name,
+               "quick": cfg.quick, "task": cfg.task.name}
+    reg, rel = Registry(url, cfg.base_dir), RunLayout.relative(cfg)
+    entries, unversioned = [], {}
     for r in arm_runs(cfg):
-        entry = register(url, layout.arm_model(r.rid), name=cfg.variant, arm=r.rid, params=cfg.params(),
-                         metrics={"train": inputs[r.rid], "eval": evals.get(r.rid, {})},
-                         lineage={"estimator": r.arm.estimator, "num_answers": r.arm.num_answers, "seed": r.seed,
-                                  "pipeline": cfg.name, "quick": cfg.quick, "task": cfg.task.name},
-                         base_hash=base_hash, repo_dir=repo_root(cfg.base_dir))
-        entries.append(_entry_dict(entry))
-        detail(f"register: {r.rid} -> {entries[-1].get('hash', '?')}")
-    info = {"registry": url, "entries": entries}
-    atomic_write_json(layout.registry_json, info)
-    push_runs(cfg, layout, arm_runs(cfg), [str(e.get("hash", "")) for e in entries])
-    ctx.outcome(f"{len(entries)} checkpoints in {redact(url)}: "
-                + ", ".join(f"{r.rid} {e.get('hash', '?')[:12]}" for r, e in zip(arm_runs(cfg), entries)))
+        entry, why = reg.register(
+            layout.arm_model(r.rid), name=cfg.variant, arm=r.rid, path=rel.arm_model(r.rid).as_posix(),
+            params=cfg.settings(), metrics={"train": inputs[r.rid], "eval": evals.get(r.rid, {})},
+            lineage={**lineage, "arm_config": r.arm.name, "estimator": r.arm.estimator,
+                     "num_answers": r.arm.num_answers, "seed": r.seed})
+        entries.append(entry)
+        if why:
+            unversioned.setdefault(why, []).append(r.rid)
+        detail(f"register: {entry.artifact} -> {entry.hash[:12]} {entry.version or '(no version)'}")
+    for why, rids in unversioned.items():
+        log(f"register: no GTO version for {', '.join(rids)}: {why}; the entries are kept in {redact(url)}")
+    atomic_write_json(layout.registry_json, {"registry": url, "entries": [e.to_dict() for e in entries]})
+    push_runs(cfg, layout, arm_runs(cfg), [e.hash for e in entries])
+    ctx.outcome(f"{len(entries)} models in {redact(url)}: "
+                + ", ".join(f"{e.artifact} {e.hash[:12]}" + (f" {e.version}" if e.version else "") for e in entries))
     return {"registry": url, "entries": len(entries)}

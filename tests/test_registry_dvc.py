@@ -1,0 +1,255 @@
+"""The registry over a real git + DVC project: GTO versions and stages as git tags (and ``gto show``
+agreeing with ``vpo registry list``), weights fetched through DVC (``dvc artifacts get`` for a version,
+the cache and remote by md5 otherwise), verify re-hashing what DVC returns, a fresh clone that has only
+the git tags, and the one-line fallback when tags cannot be written. The slow test runs the quick
+pipeline with an S3 DVC remote (the session's quick flow), promotes an arm and gets it back in a clone."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.test_registry import make_checkpoint, metrics
+from vpo.pipeline.checkpoints import content_hash
+from vpo.pipeline.registry import Registry
+from vpo.pipeline.registry.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+MODEL = "runs/q/arms/vpo-s0/model"
+GIT_ID = {"GIT_AUTHOR_NAME": "vpo-tests", "GIT_AUTHOR_EMAIL": "tests@vpo.invalid",
+          "GIT_COMMITTER_NAME": "vpo-tests", "GIT_COMMITTER_EMAIL": "tests@vpo.invalid"}
+
+
+def sh(*cmd: str | Path, cwd: Path) -> str:
+    env = {**os.environ, **GIT_ID, "DVC_NO_ANALYTICS": "1", "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def record(repo: Path, message: str) -> None:
+    """What a user does after a run: `dvc commit` the train stage, push, commit dvc.lock."""
+    from dvc.repo import Repo
+
+    with Repo(str(repo)) as dvc:
+        dvc.commit(f"{repo}/dvc.yaml:train", force=True)
+        dvc.push()
+    sh("git", "add", "-A", cwd=repo)
+    sh("git", "commit", "-qm", message, cwd=repo)
+
+
+def files(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir()
+            if p.is_file() and p.name != "README.md"}
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    """A git + DVC project: one train stage whose output holds an arm's model folder (a dvc.yaml artifact),
+    recorded in dvc.lock, pushed to a local DVC remote and committed."""
+    repo = tmp_path / "proj"
+    repo.mkdir()
+    sh("git", "init", "-q", "-b", "main", cwd=repo)
+    for key, value in (("user.name", "vpo-tests"), ("user.email", "tests@vpo.invalid")):
+        sh("git", "config", key, value, cwd=repo)
+    from dvc.repo import Repo
+
+    Repo.init(str(repo)).close()
+    (repo / ".dvc" / "config").write_text(f"[core]\n    remote = here\n['remote \"here\"']\n    url = {tmp_path / 'remote'}\n")
+    shutil.copy(REPO / ".dvcignore", repo / ".dvcignore")
+    (repo / ".gitignore").write_text("/runs/\n")
+    (repo / "dvc.yaml").write_text(yaml.safe_dump({
+        "stages": {"train": {"cmd": "true", "outs": [{"runs/q/arms/vpo-s0": {"persist": True}}]}},
+        "artifacts": {"q-vpo-s0": {"path": MODEL, "type": "model"}}}))
+    make_checkpoint(repo / MODEL)
+    record(repo, "first run")
+    return repo
+
+
+def register(repo: Path, registry: Path) -> tuple:
+    return Registry(registry, repo).register(repo / MODEL, name="q", arm="vpo-s0", path=MODEL,
+                                             metrics=metrics({1: 0.5}), lineage={"estimator": "vpo", "task": "route"})
+
+
+def test_versions_and_stages_are_git_tags_that_gto_show_reports(project: Path, tmp_path: Path, capsys) -> None:
+    reg_dir = tmp_path / "registry"
+    entry, why = register(project, reg_dir)
+    assert why is None and entry.version == "v0.0.1"
+    assert entry.git_rev == sh("git", "rev-parse", "HEAD", cwd=project).strip()
+    assert register(project, reg_dir)[0].version == "v0.0.1"  # registering again tags nothing new
+    assert main(["--registry", str(reg_dir), "--repo", str(project), "promote", "q-vpo-s0", "--stage", "production"]) == 0
+    assert "is now in stage production (GTO tag)" in capsys.readouterr().out
+    assert sh("git", "tag", cwd=project).split() == ["q-vpo-s0#production#1", "q-vpo-s0@v0.0.1"]
+    shown = sh("gto", "show", "--json", cwd=project)
+    gto = yaml.safe_load(shown)
+    assert gto["q-vpo-s0"]["version"] == "v0.0.1" and gto["q-vpo-s0"]["stage"]["production"] == "v0.0.1"
+    assert main(["--registry", str(reg_dir), "--repo", str(project), "list"]) == 0
+    row = capsys.readouterr().out.splitlines()[1]
+    assert "q-vpo-s0" in row and "v0.0.1" in row and "production" in row
+
+
+def test_fetch_and_verify_go_through_dvc_and_a_clone_needs_only_the_tags(project: Path, tmp_path: Path) -> None:
+    reg = Registry(tmp_path / "registry", project)
+    entry, _ = register(project, tmp_path / "registry")
+    reg.promote("q-vpo-s0", "production")
+    dest, how = reg.fetch(reg.get("production"), tmp_path / "out")
+    assert how.startswith("dvc artifacts get q-vpo-s0") and files(dest) == files(project / MODEL)
+    assert (dest / "README.md").read_text() == reg.card(entry)
+    assert reg.verify(entry) == []
+    cached = next(Path(p) for p in (project / ".dvc" / "cache" / "files" / "md5").rglob("*")
+                  if p.is_file() and p.stat().st_size == (project / MODEL / "model.safetensors").stat().st_size)
+    cached.chmod(0o644)
+    cached.write_bytes(b"X" * cached.stat().st_size)  # the cache's copy of the weights rots
+    assert "model.safetensors is corrupt" in " ".join(reg.verify(entry))
+    clone = tmp_path / "clone"
+    sh("git", "clone", "-q", str(project), str(clone), cwd=tmp_path)
+    sh("dvc", "artifacts", "get", ".", "q-vpo-s0", "--stage", "production", "-o", str(tmp_path / "got"), cwd=clone)
+    assert files(tmp_path / "got") == files(project / MODEL)  # from the DVC remote: the cache was not cloned
+    assert main(["--registry", str(tmp_path / "empty"), "--repo", str(clone), "fetch", "production",
+                 str(tmp_path / "fetched")]) == 0  # no registry entries here: the GTO tag says what to check
+    assert files(tmp_path / "fetched") == files(project / MODEL)
+
+
+def test_a_run_not_in_a_committed_dvc_lock_is_unversioned_until_it_is(project: Path, tmp_path: Path) -> None:
+    reg_dir = tmp_path / "registry"
+    register(project, reg_dir)
+    make_checkpoint(project / MODEL, seed=7)  # a new training run, dvc.lock not committed yet
+    entry, why = register(project, reg_dir)
+    assert entry.version is None and "HEAD's dvc.lock records other outputs than this run's" in why
+    from dvc.repo import Repo
+
+    with Repo(str(project)) as dvc:
+        dvc.commit(f"{project}/dvc.yaml:train", force=True)  # in the DVC cache, not in git: fetched by md5
+    dest, how = Registry(reg_dir, project).fetch(entry, tmp_path / "out")
+    assert "by md5" in how and content_hash(dest) == entry.hash
+    record(project, "second run")
+    again, why = register(project, reg_dir)
+    assert (again.version, why, again.created_at) == ("v0.0.2", None, entry.created_at)
+
+
+def test_tags_that_cannot_be_written_fall_back_to_the_registrys_record(project: Path, tmp_path: Path) -> None:
+    tags = project / ".git" / "refs" / "tags"
+    shutil.rmtree(tags)
+    tags.write_text("not a folder\n")  # no tag can be created (even by root)
+    entry, why = register(project, tmp_path / "registry")
+    assert entry.version is None and why.startswith("git tags cannot be written")
+    line = Registry(tmp_path / "registry", project).promote(entry.hash[:8], "production")
+    assert "kept in the registry's own record" in line
+    assert Registry(tmp_path / "registry", project).get("production").hash == entry.hash
+
+
+# --------------------------------------------------------------------------- vpo run and dvc.lock
+
+
+def _tiny_dvc_project(folder: Path) -> Path:
+    """A git + DVC project whose pipeline is the quick route preset on the 1-layer test model, cut to
+    two arms, a few SFT steps and no search; dvc.yaml and params.yaml generated for it, all committed."""
+    from tests.test_faults_support import write_pipelines
+
+    path = write_pipelines(folder)
+    raw = yaml.safe_load(path.read_text())
+    quick = raw["pipelines"]["route"]["quick"]
+    quick["sft"]["steps"] = 8
+    quick["arms"]["grpo_x3"] = {"enabled": False}
+    quick["arms"]["max_at_k"] = {"enabled": False}
+    quick["search"] = {"enabled": False}
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    for name in ("bin", "vpo"):  # dvc.yaml's commands and code dependencies
+        shutil.copytree(REPO / name, folder / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in (".dvcignore", ".gitignore"):
+        shutil.copy(REPO / name, folder / name)
+    sh("git", "init", "-q", "-b", "main", cwd=folder)
+    sh("dvc", "init", "-q", cwd=folder)
+    sh(sys.executable, "-m", "vpo.pipeline.cli", "dvc", cwd=folder)
+    sh("git", "add", "-A", cwd=folder)
+    sh("git", "commit", "-qm", "project", cwd=folder)
+    return folder
+
+
+@pytest.mark.slow
+def test_after_vpo_run_dvc_finds_every_stage_up_to_date_and_models_version_once_committed(tmp_path: Path) -> None:
+    """`vpo run --quick` records what it ran in dvc.lock: `dvc status` and `dvc repro` agree with vpo
+    (nothing re-runs); committing dvc.lock then lets `vpo stage register` tag GTO versions."""
+    from tests.test_faults_support import run_vpo
+
+    repo = _tiny_dvc_project(tmp_path / "proj")
+    proc = run_vpo(["run", "--quick"], repo, timeout=900, env=GIT_ID)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "dvc.lock records this run's" in proc.stdout and "no GTO version for grpo-s0, vpo-s0: HEAD has no committed dvc.lock" in proc.stdout
+    assert "Data and pipelines are up to date" in sh("dvc", "status", cwd=repo)
+    repro = sh("dvc", "repro", cwd=repo)
+    assert "Running stage" not in repro and "didn't change, skipping" in repro
+    sh("git", "add", "dvc.lock", cwd=repo)
+    sh("git", "commit", "-qm", "quick run", cwd=repo)
+    proc = run_vpo(["stage", "register", "--quick"], repo, timeout=600, env=GIT_ID)
+    assert proc.returncode == 0 and "route-quick-vpo-s0" in proc.stdout and "v0.0.1" in proc.stdout, proc.stdout
+    assert "route-quick-vpo-s0@v0.0.1" in sh("git", "tag", cwd=repo).split()
+    assert (repo / "runs" / "route-quick" / "arms" / "vpo-s0" / "model" / "README.md").is_file()
+    assert "Data and pipelines are up to date" in sh("dvc", "status", cwd=repo)  # the card is not DVC's
+
+
+def test_a_run_with_other_settings_than_params_yaml_leaves_dvc_lock_alone(tmp_path: Path) -> None:
+    """`vpo run --set ...` must not record its outputs under params.yaml's settings; outside a DVC
+    project, or for a variant dvc.yaml does not declare, nothing is said at all."""
+    from tests.test_faults_support import write_pipelines
+    from vpo.pipeline.config import load_pipeline
+    from vpo.pipeline.dvcgen import main as dvc_main
+    from vpo.pipeline.dvcgen import record_run
+
+    path = write_pipelines(tmp_path)
+    assert dvc_main(["--config", str(path)]) == 0
+    changed = load_pipeline("route", path, quick=True, overrides={"evaluation.n_samples": 6})
+    assert record_run(changed, ["data", "evaluate"]) is None  # no .dvc folder: not a DVC project
+    (tmp_path / ".dvc").mkdir()
+    line = record_run(changed, ["data", "evaluate"])
+    assert line.startswith("dvc.lock not updated: this run's settings differ from params.yaml's route-quick")
+    assert not (tmp_path / "dvc.lock").exists()
+    assert record_run(load_pipeline("route", path), ["data"]) is None  # route (full) is not declared
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_quick_pipeline_on_an_s3_remote_promoted_arm_comes_back_byte_identical_in_a_fresh_clone(
+        quick_flow, tmp_path: Path) -> None:
+    """The session's quick flow ran every quick stage with an S3 DVC remote and registry and pushed. Commit
+    its dvc.lock, register (GTO versions), promote vpo-s0 to production; a fresh clone gets byte-identical
+    weights with `vpo registry fetch production` and `dvc artifacts get --stage production`, and `gto show`
+    lists the stage."""
+    from tests.test_faults_support import run_vpo
+
+    assert quick_flow.state.is_completed(), quick_flow.state.message
+    repo, clone = tmp_path / "repo", tmp_path / "clone"
+    skip = quick_flow.repo / ".dvc" / "tmp"
+    shutil.copytree(quick_flow.repo, repo, symlinks=True, ignore=lambda d, names: names if Path(d) == skip else [])
+    config = repo / "pipelines.yaml"  # a registry of its own: other tests read the flow's entries as the flow left them
+    raw = yaml.safe_load(config.read_text())
+    raw["pipelines"]["route"]["storage"]["registry"] = f"s3://{quick_flow.bucket}/registry-promoted"
+    config.write_text(yaml.safe_dump(raw, sort_keys=False))
+    sh(sys.executable, "-m", "vpo.pipeline.cli", "dvc", cwd=repo)  # params.yaml follows (no stage reads storage)
+    sh("git", "add", "pipelines.yaml", "params.yaml", "dvc.lock", cwd=repo)
+    sh("git", "commit", "-qm", "the quick run", cwd=repo)
+    for argv in (["stage", "register", "--quick"], ["registry", "promote", "route-quick-vpo-s0", "--stage", "production"]):
+        proc = run_vpo(argv, repo, timeout=600, env=GIT_ID)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "route-quick-vpo-s0 v0.0.1" in proc.stdout and "(GTO tag)" in proc.stdout
+    sh("git", "clone", "-q", str(repo), str(clone), cwd=tmp_path)  # tags come along; runs/ and the DVC cache do not
+    assert not (clone / "runs").exists() and not (clone / ".dvc" / "config.local").exists()
+    proc = run_vpo(["registry", "fetch", "production", str(tmp_path / "fetched")], clone, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    trained = repo / "runs" / "route-quick" / "arms" / "vpo-s0" / "model"
+    assert files(tmp_path / "fetched") == files(trained) and "dvc artifacts get" in proc.stdout
+    sh("dvc", "artifacts", "get", ".", "route-quick-vpo-s0", "--stage", "production", "-o", str(tmp_path / "got"),
+       cwd=clone)  # the S3 remote `vpo registry fetch` configured from pipelines.yaml (.dvc/config.local)
+    assert files(tmp_path / "got") == files(trained)
+    shown = yaml.safe_load(sh("gto", "show", "--json", cwd=clone))
+    assert shown["route-quick-vpo-s0"]["stage"]["production"] == "v0.0.1"
+    assert shown["route-quick-grpo-s0"]["version"] == "v0.0.1"
