@@ -37,6 +37,7 @@ from vpo.pipeline.console import detail, format_numbers, log, progress
 from vpo.pipeline.context import StageContext
 from vpo.pipeline.errors import StageError
 from vpo.pipeline.inputs import load_rows, stage_command
+from vpo.pipeline.plan import check_plan
 from vpo.pipeline.settings import vpo_config_kwargs
 from vpo.pipeline.state import read_state, why_stale, write_state
 from vpo.rewards import VectorReward
@@ -341,6 +342,7 @@ def train(ctx: StageContext) -> dict[str, Any]:
         return _publish_checkpoint(ctx, resume)
     cuda = torch.cuda.is_available()
     args = VPOConfig(**vpo_config_kwargs(cfg, run, trainer_dir, cuda=cuda, progress=ctx.progress))
+    check_plan(ctx, args)  # refuse before loading the model when the memory plan does not fit
     tok = AutoTokenizer.from_pretrained(str(layout.base))
     model = AutoModelForCausalLM.from_pretrained(str(layout.base))
     callbacks: list[Any] = [ProgressFileCallback(layout.arm_progress(rid)),
