@@ -41,7 +41,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -160,6 +160,16 @@ def _reset_peak_rss() -> bool:
         return False
 
 
+def _trim() -> None:
+    """Give freed heap memory back to the OS (glibc), so a later arm's peak starts from a low mark."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
@@ -179,6 +189,7 @@ class Meter:
             torch.cuda.reset_peak_memory_stats()
             self.base = torch.cuda.memory_allocated()
         else:
+            _trim()
             self.reset_ok = _reset_peak_rss()
             self.base = _rss()
 
@@ -411,6 +422,32 @@ def _cpu_flops() -> float:
     return 4 * 2 * 512**3 / best
 
 
+def _arm_in_subprocess(name: str, argv: Sequence[str] | None) -> dict[str, Any]:
+    """Run one arm in a fresh interpreter (its own peak RSS) and return its result."""
+    import subprocess
+
+    words = list(sys.argv[1:] if argv is None else argv)
+    with tempfile.TemporaryDirectory(prefix="vpo-gpu-step-arm-") as tmp:
+        out = Path(tmp) / "arm.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), *_without(words, ("--arms", "--json", "--isolate")),
+               "--arms", name, "--json", str(out), "--isolate", "none"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise SystemExit(f"error: arm {name} failed:\n{proc.stderr[-4000:]}")
+        return json.loads(out.read_text())["arms"][0]
+
+
+def _without(words: Sequence[str], options: Sequence[str]) -> list[str]:
+    """``words`` minus each option in ``options`` and its values."""
+    out, skip = [], False
+    for w in words:
+        if w.startswith("--"):
+            skip = w.split("=", 1)[0] in options
+        if not skip:
+            out.append(w)
+    return out
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help=f"{', '.join(MODELS)} or a config.json path")
@@ -435,6 +472,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--threads", type=int, default=None, help="torch threads on CPU")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--isolate", choices=("auto", "process", "none"), default="auto",
+                    help="process: each arm in a fresh subprocess (clean peak RSS; auto on CPU); none: all arms here")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
     if (args.prompts * args.generations) % (args.micro_batch or 1):
@@ -454,12 +493,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         raise SystemExit("error: --engine trl but TRL is not installed; use --engine manual")
     args.cpu_flops = _cpu_flops() if device == "cpu" else None
     shape = load_shape(args.model, args.layers, args.hidden, args.vocab)
-    meter = Meter(device)
-    results = [run_arm(name, shape, args, device, meter) for name in args.arms]
+    isolate = args.isolate if args.isolate != "auto" else ("process" if device == "cpu" and len(args.arms) > 1
+                                                           else "none")
+    if isolate == "process" and len(args.arms) > 1:
+        results = [_arm_in_subprocess(name, argv) for name in args.arms]
+    else:
+        meter = Meter(device)
+        results = [run_arm(name, shape, args, device, meter) for name in args.arms]
+    for r in results:
+        r["memory_isolated"] = isolate == "process" or len(args.arms) == 1 or device == "cuda"
     by = {r["arm"]: r for r in results}
     card = torch.cuda.get_device_name(0) if device == "cuda" else f"{platform.processor() or 'CPU'}, " \
         f"{torch.get_num_threads()} torch threads"
-    report = {"model": shape.name, "parameters": shape.parameters, "layers": shape.num_layers, "hidden": shape.hidden_size,
+    scaled = [f"{k} {v}" for k, v in (("layers", args.layers), ("hidden", args.hidden), ("vocab", args.vocab)) if v]
+    report = {"model": shape.name + (f" scaled to {', '.join(scaled)}" if scaled else ""), "parameters": shape.parameters, "layers": shape.num_layers, "hidden": shape.hidden_size,
               "vocab": shape.vocab_size, "device": card, "engine": args.engine_used,
               "settings": {k: v for k, v in vars(args).items() if k not in ("cpu_flops", "json")},
               "arms": results, "vpo_over_grpo_per_token": (round(by["vpo"]["seconds_per_token"]
@@ -483,11 +530,6 @@ def _summary(report: Mapping[str, Any]) -> None:
               f"plan {r['plan_peak'] / 2**20:.0f} MiB (x{r['plan_over_measured']})", file=sys.stderr)
     if report["vpo_over_grpo_per_token"] is not None:
         print(f"  VPO / GRPO seconds per generated token: {report['vpo_over_grpo_per_token']}", file=sys.stderr)
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    yield
 
 
 if __name__ == "__main__":

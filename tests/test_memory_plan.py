@@ -348,7 +348,8 @@ def _preset(name: str) -> tuple[dict[str, Any], dict[str, Any]]:
     return p, p["trainer"]
 
 
-@pytest.mark.parametrize(("name", "device"), [("code-qwen-coder", "h100-80gb"), ("code-qwen-1.5b-lora", "h100-80gb")])
+@pytest.mark.parametrize(("name", "device"), [("code-qwen-coder", "h100-80gb"), ("code-qwen-1.5b-lora", "l4"),
+                                            ("code-qwen-1.5b-lora", "a10g")])
 def test_gpu_presets_fit_their_stated_hardware(name: str, device: str) -> None:
     """Read straight from pipelines.yaml, so it holds whatever the schema accepts: every arm's plan
     fits the card the preset names, with checkpointing on and a micro-batch far below a whole step."""
@@ -376,5 +377,5 @@ def test_gpu_presets_fit_their_stated_hardware(name: str, device: str) -> None:
         plan = plan_step(shape, s, parallel=Parallel(world, stage), device=DEVICES[device],
                          lora=LoraShape(r=lora["r"], alpha=lora["alpha"], target_modules=tuple(lora["target_modules"]))
                          if lora else None)
-        assert check(plan).verdict.startswith("fits"), (arm["name"], plan.peak / GiB)
-        assert plan.prompts_per_step >= 8
+        assert check(plan).verdict == "fits", (arm["name"], plan.peak / GiB)  # below 90%: room for the error
+        assert s.gradient_accumulation_steps * world >= 8  # a micro-batch far below the optimizer step

@@ -77,13 +77,14 @@ TOKEN_TILE = 4096
 """Rows per tile of TRL's fused LM head (``trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE``)."""
 VOCAB_TILE = 32768
 """Vocabulary columns per tile of TRL's fused LM head (``_CHUNKED_LOGPROB_CHUNK_SIZE``)."""
-TORCH_TILE_TEMPS = 5
-"""fp32 copies of a logits tile the fused head's torch fallback (no Triton: CPU) holds at once (measured)."""
+TORCH_TILE_TEMPS = 10
+"""fp32 tile-sized temporaries the fused head's torch fallback (no Triton: CPU) holds at once in its
+backward pass (measured on CPU: about 4 in the forward, 10-11 in the backward for 760-2,000 rows)."""
 CUDA_RUNTIME = int(1.0 * GiB)
 """CUDA context + cuBLAS workspaces + NCCL buffers per GPU process (outside the caching allocator)."""
-CPU_RUNTIME = int(160 * MiB)
-"""Trainer, dataloader, OpenMP and allocator arenas on CPU beyond the model's tensors (measured,
-benchmarks/memory_plan.py, on a model whose tensors are negligible)."""
+CPU_RUNTIME = int(270 * MiB)
+"""TRL's trainer, the dataset, OpenMP and allocator arenas on CPU beyond the model's tensors: peak RSS
+of a training run whose tensors are negligible (benchmarks/memory_plan.py, case ``runtime``: 267-268 MiB)."""
 TIGHT = 0.9
 """A plan above this fraction of the device memory fits but is flagged ``tight``."""
 
