@@ -249,6 +249,16 @@ def test_refusal_for_weights_suggests_lora_or_zero3() -> None:
         check(plan, prefix="trainer.")
 
 
+def test_cpu_plans_must_fit_the_ram_and_say_when_it_is_not_free_now() -> None:
+    busy = Device("busy CPU", 16 * GiB, "cpu", 50e9, available=1 * GiB)
+    plan = check(plan_step(shipped("SmolLM2-135M-Instruct"), settings(), device=busy))
+    assert plan.fits and plan.above_available
+    from vpo.memory_plan import format_plan
+
+    assert "1.0 GiB available now" in format_plan(plan) and "more than is free now" in format_plan(plan)
+    assert not plan_step(shipped("SmolLM2-135M-Instruct"), settings(), device=CPU).above_available
+
+
 def test_a_plan_that_fits_passes_and_states_its_step_time() -> None:
     plan = check(plan_step(shipped("SmolLM2-135M-Instruct"), settings(), device=CPU))
     assert plan.fits and plan.peak < CPU.memory and plan.step_seconds > 0
@@ -348,8 +358,8 @@ def _preset(name: str) -> tuple[dict[str, Any], dict[str, Any]]:
     return p, p["trainer"]
 
 
-@pytest.mark.parametrize(("name", "device"), [("code-qwen-coder", "h100-80gb"), ("code-qwen-1.5b-lora", "l4"),
-                                            ("code-qwen-1.5b-lora", "a10g")])
+@pytest.mark.parametrize(("name", "device"), [("code-qwen-coder", "h100-80gb"), ("code-qwen-1gpu-lora", "l4"),
+                                            ("code-qwen-1gpu-lora", "a10g")])
 def test_gpu_presets_fit_their_stated_hardware(name: str, device: str) -> None:
     """Read straight from pipelines.yaml (a run's value: the arm's, else the trainer's; the rollout
     multiplier multiplies rollouts and the completion batch), so it holds whatever the schema accepts:

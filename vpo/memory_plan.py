@@ -35,8 +35,10 @@ What the terms model (TRL 1.16, transformers 5, torch 2.x):
   ``torch.cuda.max_memory_allocated``); on CPU the trainer's own allocations beyond the model.
 
 A step has three phases and the plan's peak is the largest: generation (weights, optimizer state,
-KV cache), a training micro-step (weights, optimizer state, gradients, activations, logits) and the
-optimizer step (weights, gradients, optimizer state and its temporaries). Throughput: FLOPs per
+KV cache), a training micro-step (weights, optimizer state, activations, logits and the gradients
+that exist when the backward pass starts: all of them once they persist across micro-steps or in
+a distributed wrapper's buffers, else only the LM head's; or, if larger, every gradient at the
+backward's end) and the optimizer step (weights, gradients, optimizer state and its temporaries). Throughput: FLOPs per
 optimizer step, 2 N per token generated or scored, 6 N per trained token (8 N with gradient
 checkpointing, about 4 N with LoRA), plus attention; step time at a stated FLOP/s and utilisation,
 with transformers generation bounded by reading the weights once per decoded token.
@@ -263,14 +265,16 @@ class Parallel:
 
 @dataclass(frozen=True)
 class Device:
-    """One accelerator (or the CPU): visible ``memory`` in bytes, dense ``flops`` per second in the
-    training dtype and memory ``bandwidth`` in bytes per second (None where unknown)."""
+    """One accelerator (or the CPU): visible ``memory`` in bytes (what a plan must fit), dense ``flops``
+    per second in the training dtype, memory ``bandwidth`` in bytes per second (None where unknown) and,
+    for a CPU, the RAM ``available`` now (other processes hold the rest for a while)."""
 
     name: str
     memory: int
     kind: str = "cuda"
     flops: float | None = None
     bandwidth: float | None = None
+    available: int | None = None
 
     @property
     def is_cuda(self) -> bool:
@@ -447,6 +451,11 @@ class Plan:
         return self.peak <= self.device.memory
 
     @property
+    def above_available(self) -> bool:
+        """Fits the device but not the memory free at the moment (CPU: RAM other processes hold)."""
+        return self.device.available is not None and self.peak > self.device.available
+
+    @property
     def verdict(self) -> str:
         if not self.fits:
             return "does not fit"
@@ -549,8 +558,10 @@ def plan_step(model: ModelShape, settings: TrainSettings, *, parallel: Parallel 
     head_cb = 4 if s.cast_lm_head_to_fp32 else cb
     logits = tile_rows * tile_cols * (head_cb + (0 if device.is_cuda else 4 * TORCH_TILE_TEMPS))
     logits += rows * h * (head_cb + 4)  # the flattened hidden states and their fp32 gradient
+    head_grad = 0.0
     if lora is None:
         logits += v * h * 4  # fp32 gradient accumulator of the LM head weight
+        head_grad = v * h * train_bytes  # the LM head's (tied: the embedding's) own gradient
 
     # generation: transformers generate on the local generation batch, or vLLM's reserved share
     local_gen = gen_batch // world
@@ -571,6 +582,15 @@ def plan_step(model: ModelShape, settings: TrainSettings, *, parallel: Parallel 
             gen_extra = n_all * pb - weights if lora is None else n_all * pb * (1 - 1 / world)
             notes.append("ZeRO-3 gathers the whole model for transformers generation (ds3_gather_for_generation)")
     grads_during_generation = steps_per_gen * s.num_iterations < s.gradient_accumulation_steps
+    # A backward pass allocates gradients as it goes: when the LM head's tiles peak (its start) only the
+    # head's gradient exists, unless earlier micro-steps' gradients persist (accumulation) or the
+    # distributed wrapper keeps gradient buffers; at its end every gradient and one layer's working set.
+    persistent = s.gradient_accumulation_steps > 1 or world > 1 or p.deepspeed or p.fsdp
+    start = activations + logits + (gradients if persistent else head_grad)
+    end = gradients + tokens * per_layer
+    train_parts = ({"gradients": int(gradients if persistent else head_grad), "activations": int(activations),
+                    "logits": int(logits)} if start >= end
+                   else {"gradients": int(gradients), "activations": int(tokens * per_layer)})
 
     components = {"weights": int(weights + gathered), "reference model": int(reference),
                   "gradients": int(gradients), "optimizer": int(optimizer), "activations": int(activations),
@@ -579,8 +599,7 @@ def plan_step(model: ModelShape, settings: TrainSettings, *, parallel: Parallel 
     phases = {
         "generation": {**static, "kv cache": int(kv_cache + gen_extra), "vllm": int(vllm),
                        "gradients": int(gradients) if grads_during_generation else 0},
-        "training": {**static, "gathered layers": int(gathered), "gradients": int(gradients),
-                     "activations": int(activations), "logits": int(logits),
+        "training": {**static, "gathered layers": int(gathered), **train_parts,
                      "vllm": 0 if s.vllm_enable_sleep_mode else int(vllm)},
         "optimizer step": {**static, "gradients": int(gradients), "optimizer temporaries": int(opt_temp),
                            "vllm": 0 if s.vllm_enable_sleep_mode else int(vllm)},
@@ -712,7 +731,8 @@ def format_plan(plan: Plan, label: str = "") -> str:
     lines = [f"{label or m.name}: {m.name or m.model_type} ({m.parameters / 1e9:.2f}B parameters, {s.param_dtype}"
              f"{', bf16 autocast' if s.bf16 else ''}), {p.describe()} on {plan.device.name}"]
     lora = f", LoRA r={plan.lora.r} on {len(plan.lora.target_modules)} projections" if plan.lora else ""
-    lines.append(f"  batch: {s.per_device_train_batch_size} sequences per micro-step x {s.gradient_accumulation_steps} "
+    seqs = "sequence" if s.per_device_train_batch_size == 1 else "sequences"
+    lines.append(f"  batch: {s.per_device_train_batch_size} {seqs} per micro-step x {s.gradient_accumulation_steps} "
                  f"accumulation x {p.world_size} processes = {plan.prompts_per_step} prompts x {s.num_generations} "
                  f"generations per optimizer step; generation batch {plan.generation_batch_size} "
                  f"({plan.steps_per_generation} micro-steps per round); tokens {s.max_prompt_length} prompt + "
@@ -726,8 +746,10 @@ def format_plan(plan: Plan, label: str = "") -> str:
     totals = plan.phase_totals
     lines.append("  phases: " + ", ".join(f"{k} {format_bytes(v + plan.runtime)}" for k, v in totals.items()))
     share = plan.peak / plan.device.memory
-    lines.append(f"  peak: {format_bytes(plan.peak)} ({plan.peak_phase}) of {format_bytes(plan.device.memory)} "
-                 f"({share:.0%}): {plan.verdict}")
+    avail = plan.device.available
+    now = f", {format_bytes(avail)} available now" if avail is not None else ""
+    lines.append(f"  peak: {format_bytes(plan.peak)} ({plan.peak_phase}) of {format_bytes(plan.device.memory)}{now} "
+                 f"({share:.0%}): {plan.verdict}" + ("; more than is free now" if plan.above_available else ""))
     tf = sum(plan.flops.values())
     if plan.seconds:
         per = plan.device.flops or 0

@@ -213,35 +213,37 @@ def _cpu_flops() -> float:
     return 4 * 2 * 512**3 / best
 
 
-def _ram_available() -> int:
-    """RAM this process can still use: MemAvailable, capped by a cgroup memory limit."""
-    avail = None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                avail = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    if avail is None:
-        import psutil
-
-        avail = int(psutil.virtual_memory().available)
+def _cgroup_memory() -> tuple[int | None, int | None]:
+    """(limit, usage) of this process's cgroup memory controller (v2 or v1), None where unlimited."""
     for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
                                    ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
                                     "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
         try:
             limit = Path(limit_file).read_text().strip()
             if limit != "max" and int(limit) < 1 << 60:
-                avail = min(avail, int(limit) - int(Path(usage_file).read_text().strip()))
-                break
+                return int(limit), int(Path(usage_file).read_text().strip())
         except (OSError, ValueError):
             continue
-    return max(0, avail)
+    return None, None
+
+
+def ram() -> tuple[int, int]:
+    """(total, available now) RAM for this process: MemTotal and MemAvailable, capped by a cgroup limit."""
+    import psutil
+
+    vm = psutil.virtual_memory()
+    total, avail = int(vm.total), int(vm.available)
+    limit, usage = _cgroup_memory()
+    if limit is not None:
+        total, avail = min(total, limit), min(avail, max(0, limit - (usage or 0)))
+    return total, avail
 
 
 def local_device() -> Device:
     """This machine's training device: the process's CUDA GPU (total memory, FLOP/s and bandwidth
-    of the matching known card), else the CPU (RAM available, measured FLOP/s)."""
+    of the matching known card), else the CPU (total RAM, capped by a cgroup limit, with the RAM
+    available now beside it; measured FLOP/s). On a CPU a plan must fit the RAM; one that exceeds
+    what other processes leave free now is reported, not refused (it may well be free by then)."""
     import torch
 
     if torch.cuda.is_available():
@@ -251,8 +253,9 @@ def local_device() -> Device:
         return Device(props.name, int(props.total_memory), "cuda", known.flops if known else None,
                       known.bandwidth if known else None)
     threads = torch.get_num_threads()
-    return Device(f"CPU ({threads} torch thread{'s' if threads != 1 else ''}, RAM available)", _ram_available(), "cpu",
-                  _cpu_flops(), None)
+    total, avail = ram()
+    return Device(f"CPU ({threads} torch thread{'s' if threads != 1 else ''}, RAM)", total, "cpu", _cpu_flops(), None,
+                  available=avail)
 
 
 def target_device(name: str | None = None, memory_gib: float | None = None, tflops: float | None = None) -> Device:
@@ -320,6 +323,9 @@ def check_plan(ctx: Any, args: Any) -> Plan:
                 log(f"warning: {exc} ({PLAN_ENV}=warn: training anyway)")
             return plan
         raise StageError(f"{exc} (to train anyway: {PLAN_ENV}=warn)") from None
+    if main_process and plan.above_available:
+        log(f"warning: train@{run.rid}: the memory plan ({format_bytes(plan.peak)}) is more than the RAM free now "
+            f"({format_bytes(device.available or 0)} of {format_bytes(device.memory)}); other processes hold the rest")
     if main_process:
         step = f"; about {plan.step_seconds:.1f} s per step (estimated)" if plan.seconds else ""
         log(f"train@{run.rid}: memory plan {format_bytes(plan.peak)} of {format_bytes(device.memory)} per device "
