@@ -54,8 +54,10 @@ from vpo.memory_plan import (
     ModelShape,
     Parallel,
     TrainSettings,
+    cpu_flops,
     known_gpu,
     plan_step,
+    ram,
     scale_shape,
     shape_config,
 )
@@ -202,7 +204,8 @@ class Meter:
     def kind(self) -> str:
         if self.device == "cuda":
             return "torch.cuda.max_memory_allocated"
-        return "peak RSS minus RSS before the model" + ("" if self.reset_ok else " (peak not resettable: whole process)")
+        whole = "" if self.reset_ok else " (peak not resettable: whole process)"
+        return "peak RSS minus RSS before the model" + whole
 
 
 def _sync(device: str) -> None:
@@ -370,7 +373,7 @@ def run_arm(name: str, shape: ModelShape, args: argparse.Namespace, device: str,
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     tok = build_tokenizer(shape.vocab_size)
     prompts = prompt_ids(max(args.prompts, 8), args.prompt_len, shape.vocab_size, args.seed)
-    ram = _available_ram()
+    total_ram = ram()[0]
     meter.start()
     model = build_model(shape, dtype, device, args.seed)
     if args.gradient_checkpointing and args.engine_used == "manual":
@@ -388,7 +391,7 @@ def run_arm(name: str, shape: ModelShape, args: argparse.Namespace, device: str,
     measured = times[args.warmup:] or times
     sec = statistics.median(measured)
     tokens = args.prompts * args.generations * args.completion_len * m
-    plan = plan_for(shape, args, m, device, ram)
+    plan = plan_for(shape, args, m, device, total_ram)
     estimate = plan.allocated_peak if device == "cuda" else plan.peak
     return {"arm": name, "estimator": estimator, "m": m, "engine": args.engine_used, "device": device,
             "steps": len(measured), "seconds_per_step": round(sec, 4),
@@ -399,27 +402,6 @@ def run_arm(name: str, shape: ModelShape, args: argparse.Namespace, device: str,
             "plan_peak": int(estimate), "plan_over_measured": round(estimate / peak, 3) if peak > 0 else None,
             "plan_seconds_per_step": round(plan.step_seconds, 4) if plan.seconds else None,
             "plan_components": plan.components}
-
-
-def _available_ram() -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 * 1024**3
-
-
-def _cpu_flops() -> float:
-    a = torch.randn(512, 512)
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(4):
-            a @ a
-        best = min(best, time.perf_counter() - t0)
-    return 4 * 2 * 512**3 / best
 
 
 def _arm_in_subprocess(name: str, argv: Sequence[str] | None) -> dict[str, Any]:
@@ -449,10 +431,12 @@ def _without(words: Sequence[str], options: Sequence[str]) -> list[str]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help=f"{', '.join(MODELS)} or a config.json path")
     ap.add_argument("--layers", type=int, default=None, help="fewer layers (tiny CPU runs)")
-    ap.add_argument("--hidden", type=int, default=None, help="smaller hidden size (intermediate and heads scale with it)")
+    ap.add_argument("--hidden", type=int, default=None,
+                    help="smaller hidden size (intermediate and heads scale with it)")
     ap.add_argument("--vocab", type=int, default=None, help="smaller vocabulary (tiny CPU runs)")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--engine", choices=("auto", "trl", "manual"), default="auto",
@@ -488,10 +472,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         raise SystemExit("error: --device cuda but no CUDA GPU is visible")
     if args.threads:
         torch.set_num_threads(args.threads)
-    args.engine_used = args.engine if args.engine != "auto" else ("trl" if importlib.util.find_spec("trl") else "manual")
-    if args.engine_used == "trl" and importlib.util.find_spec("trl") is None:
+    has_trl = importlib.util.find_spec("trl") is not None
+    args.engine_used = args.engine if args.engine != "auto" else ("trl" if has_trl else "manual")
+    if args.engine_used == "trl" and not has_trl:
         raise SystemExit("error: --engine trl but TRL is not installed; use --engine manual")
-    args.cpu_flops = _cpu_flops() if device == "cpu" else None
+    args.cpu_flops = cpu_flops() if device == "cpu" else None
     shape = load_shape(args.model, args.layers, args.hidden, args.vocab)
     isolate = args.isolate if args.isolate != "auto" else ("process" if device == "cpu" and len(args.arms) > 1
                                                            else "none")
@@ -506,7 +491,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     card = torch.cuda.get_device_name(0) if device == "cuda" else f"{platform.processor() or 'CPU'}, " \
         f"{torch.get_num_threads()} torch threads"
     scaled = [f"{k} {v}" for k, v in (("layers", args.layers), ("hidden", args.hidden), ("vocab", args.vocab)) if v]
-    report = {"model": shape.name + (f" scaled to {', '.join(scaled)}" if scaled else ""), "parameters": shape.parameters, "layers": shape.num_layers, "hidden": shape.hidden_size,
+    report = {"model": shape.name + (f" scaled to {', '.join(scaled)}" if scaled else ""),
+              "parameters": shape.parameters, "layers": shape.num_layers, "hidden": shape.hidden_size,
               "vocab": shape.vocab_size, "device": card, "engine": args.engine_used,
               "settings": {k: v for k, v in vars(args).items() if k not in ("cpu_flops", "json")},
               "arms": results, "vpo_over_grpo_per_token": (round(by["vpo"]["seconds_per_token"]

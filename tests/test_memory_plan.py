@@ -14,8 +14,8 @@ import yaml
 
 from vpo.memory_plan import (
     DEVICES,
-    GiB,
     Device,
+    GiB,
     LoraShape,
     ModelShape,
     Parallel,

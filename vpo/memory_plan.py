@@ -49,12 +49,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 __all__ = [
     "DEVICES",
-    "GiB",
     "Device",
+    "GiB",
     "LoraShape",
     "ModelShape",
     "Parallel",
@@ -62,12 +63,14 @@ __all__ = [
     "PlanError",
     "TrainSettings",
     "check",
+    "cpu_flops",
     "device_by_name",
-    "known_gpu",
     "format_bytes",
     "format_plan",
     "generation_layout",
+    "known_gpu",
     "plan_step",
+    "ram",
 ]
 
 GiB = 1024**3
@@ -297,6 +300,49 @@ DEVICES: dict[str, Device] = {
     "l4": _gpu("NVIDIA L4 24GB", 22.0, 121.0, 0.3),
 }
 """Devices a plan can be made for without being on them (``vpo plan --device NAME``)."""
+
+
+def cpu_flops() -> float:
+    """FLOP/s of this CPU at torch's current thread count: the best of three fp32 512 x 512 matmul
+    rounds (about 0.1 s)."""
+    import time
+
+    import torch
+
+    a = torch.randn(512, 512)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(4):
+            a @ a
+        best = min(best, time.perf_counter() - t0)
+    return 4 * 2 * 512**3 / best
+
+
+def _cgroup_memory() -> tuple[int | None, int | None]:
+    """(limit, usage) of this process's cgroup memory controller (v2 or v1), None where unlimited."""
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            limit = Path(limit_file).read_text().strip()
+            if limit != "max" and int(limit) < 1 << 60:
+                return int(limit), int(Path(usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+    return None, None
+
+
+def ram() -> tuple[int, int]:
+    """(total, available now) RAM for this process: MemTotal and MemAvailable, capped by a cgroup limit."""
+    import psutil
+
+    vm = psutil.virtual_memory()
+    total, avail = int(vm.total), int(vm.available)
+    limit, usage = _cgroup_memory()
+    if limit is not None:
+        total, avail = min(total, limit), min(avail, max(0, limit - (usage or 0)))
+    return total, avail
 
 
 def known_gpu(name: str, memory: int) -> Device | None:
@@ -728,8 +774,10 @@ def format_seconds(sec: float) -> str:
 def format_plan(plan: Plan, label: str = "") -> str:
     """A readable block: settings, per-term bytes per device, phases, peak vs device, throughput."""
     s, p, m = plan.settings, plan.parallel, plan.model
-    lines = [f"{label or m.name}: {m.name or m.model_type} ({m.parameters / 1e9:.2f}B parameters, {s.param_dtype}"
-             f"{', bf16 autocast' if s.bf16 else ''}), {p.describe()} on {plan.device.name}"]
+    n = m.parameters
+    count = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+    lines = [(f"{label or m.name}: {m.name or m.model_type} ({count} parameters, {s.param_dtype}"
+              f"{', bf16 autocast' if s.bf16 else ''}), {p.describe()} on {plan.device.name}")]
     lora = f", LoRA r={plan.lora.r} on {len(plan.lora.target_modules)} projections" if plan.lora else ""
     seqs = "sequence" if s.per_device_train_batch_size == 1 else "sequences"
     lines.append(f"  batch: {s.per_device_train_batch_size} {seqs} per micro-step x {s.gradient_accumulation_steps} "
@@ -753,10 +801,11 @@ def format_plan(plan: Plan, label: str = "") -> str:
     tf = sum(plan.flops.values())
     if plan.seconds:
         per = plan.device.flops or 0
-        lines.append(f"  compute: {tf / 1e12:.1f} TFLOP per optimizer step (generation {plan.flops['generation'] / 1e12:.1f}, "
-                     f"training {plan.flops['training'] / 1e12:.1f}, scoring {plan.flops['scoring'] / 1e12:.1f}); at "
+        fl, sec = plan.flops, plan.seconds
+        lines.append(f"  compute: {tf / 1e12:.1f} TFLOP per optimizer step (generation {fl['generation'] / 1e12:.1f}, "
+                     f"training {fl['training'] / 1e12:.1f}, scoring {fl['scoring'] / 1e12:.1f}); at "
                      f"{per / 1e12:.3g} TFLOP/s x {p.world_size} and {plan.utilisation:.0%} utilisation: about "
-                     f"{format_seconds(plan.step_seconds)} per step (generation {format_seconds(plan.seconds['generation'])}"
+                     f"{format_seconds(plan.step_seconds)} per step (generation {format_seconds(sec['generation'])}"
                      f", training {format_seconds(plan.seconds['training'])}; estimated)")
     else:
         lines.append(f"  compute: {tf / 1e12:.2f} TFLOP per optimizer step (no FLOP/s known for this device)")
@@ -779,7 +828,7 @@ def scale_shape(model: ModelShape, *, layers: int | None = None, hidden: int | N
         kv = max(1, heads // group)
         while heads % kv:
             kv -= 1
-        out = replace(out, hidden_size=int(hidden), intermediate_size=max(8, int(round(model.intermediate_size * ratio))),
+        out = replace(out, hidden_size=int(hidden), intermediate_size=max(8, round(model.intermediate_size * ratio)),
                       num_heads=heads, num_kv_heads=kv, head_dim=hidden // heads)
     return out
 

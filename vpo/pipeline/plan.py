@@ -17,15 +17,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from vpo.memory_plan import (
-    DEVICES,
-    GiB,
     Device,
+    GiB,
     LoraShape,
     ModelShape,
     Parallel,
@@ -33,11 +31,13 @@ from vpo.memory_plan import (
     PlanError,
     TrainSettings,
     check,
+    cpu_flops,
     device_by_name,
-    known_gpu,
     format_bytes,
     format_plan,
+    known_gpu,
     plan_step,
+    ram,
 )
 from vpo.pipeline.config import PipelineConfig
 from vpo.pipeline.errors import StageError
@@ -174,7 +174,8 @@ def parallel_of(cfg: PipelineConfig, processes: int | None = None) -> Parallel:
     kind = str(acc.get("distributed_type", "NO")).upper()
     if kind == "DEEPSPEED":
         ds = acc.get("deepspeed_config") or {}
-        stage, off_opt, off_par = ds.get("zero_stage"), ds.get("offload_optimizer_device"), ds.get("offload_param_device")
+        stage = ds.get("zero_stage")
+        off_opt, off_par = ds.get("offload_optimizer_device"), ds.get("offload_param_device")
         if ds.get("deepspeed_config_file"):
             ds_path = Path(str(ds["deepspeed_config_file"]))
             for cand in (cfg.resolve_path(ds_path), path.parent / ds_path.name, ds_path.expanduser().resolve()):
@@ -199,46 +200,6 @@ def parallel_of(cfg: PipelineConfig, processes: int | None = None) -> Parallel:
 # ------------------------------------------------------------------------------------------- device
 
 
-def _cpu_flops() -> float:
-    """FLOP/s of this CPU at the current torch thread count: best of three fp32 matmuls (about 0.1 s)."""
-    import torch
-
-    a = torch.randn(512, 512)
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(4):
-            a @ a
-        best = min(best, time.perf_counter() - t0)
-    return 4 * 2 * 512**3 / best
-
-
-def _cgroup_memory() -> tuple[int | None, int | None]:
-    """(limit, usage) of this process's cgroup memory controller (v2 or v1), None where unlimited."""
-    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        try:
-            limit = Path(limit_file).read_text().strip()
-            if limit != "max" and int(limit) < 1 << 60:
-                return int(limit), int(Path(usage_file).read_text().strip())
-        except (OSError, ValueError):
-            continue
-    return None, None
-
-
-def ram() -> tuple[int, int]:
-    """(total, available now) RAM for this process: MemTotal and MemAvailable, capped by a cgroup limit."""
-    import psutil
-
-    vm = psutil.virtual_memory()
-    total, avail = int(vm.total), int(vm.available)
-    limit, usage = _cgroup_memory()
-    if limit is not None:
-        total, avail = min(total, limit), min(avail, max(0, limit - (usage or 0)))
-    return total, avail
-
-
 def local_device() -> Device:
     """This machine's training device: the process's CUDA GPU (total memory, FLOP/s and bandwidth
     of the matching known card), else the CPU (total RAM, capped by a cgroup limit, with the RAM
@@ -254,7 +215,7 @@ def local_device() -> Device:
                       known.bandwidth if known else None)
     threads = torch.get_num_threads()
     total, avail = ram()
-    return Device(f"CPU ({threads} torch thread{'s' if threads != 1 else ''}, RAM)", total, "cpu", _cpu_flops(), None,
+    return Device(f"CPU ({threads} torch thread{'s' if threads != 1 else ''}, RAM)", total, "cpu", cpu_flops(), None,
                   available=avail)
 
 
@@ -333,11 +294,11 @@ def check_plan(ctx: Any, args: Any) -> Plan:
     return plan
 
 
-def plan_pipeline(cfg: PipelineConfig, *, device: Device, processes: int | None = None,
-                  arm: str | None = None) -> list[tuple[str, Plan]]:
+def plan_pipeline(cfg: PipelineConfig, *, device: Device, processes: int | None = None, arm: str | None = None,
+                  shape: tuple[ModelShape, str, str] | None = None) -> list[tuple[str, Plan]]:
     """(label, plan) for every enabled arm (first seed: seeds do not change memory)."""
     layout = RunLayout.of(cfg)
-    shape = model_shape(cfg, layout)
+    shape = shape or model_shape(cfg, layout)
     par = parallel_of(cfg, processes)
     defaults = trl_defaults()
     out = []
@@ -360,12 +321,12 @@ def main(cfg: PipelineConfig, *, device: str | None = None, memory_gib: float | 
     import sys
 
     dev = target_device(device, memory_gib, tflops)
-    shape, dtype, source = model_shape(cfg)
-    plans = plan_pipeline(cfg, device=dev, processes=processes, arm=arm)
+    shape = model_shape(cfg)
+    plans = plan_pipeline(cfg, device=dev, processes=processes, arm=arm, shape=shape)
     if as_json:
         print(json.dumps([_plan_json(label, p) for label, p in plans], indent=2))
     else:
-        print(f"model config: {source}")
+        print(f"model config: {shape[2]}")
         for label, p in plans:
             print(format_plan(p, label=label))
     failed = 0
