@@ -84,12 +84,16 @@ VOCAB_TILE = 32768
 """Vocabulary columns per tile of TRL's fused LM head (``_CHUNKED_LOGPROB_CHUNK_SIZE``)."""
 TORCH_TILE_TEMPS = 10
 """fp32 tile-sized temporaries the fused head's torch fallback (no Triton: CPU) holds at once in its
-backward pass (measured on CPU: about 4 in the forward, 10-11 in the backward for 760-2,000 rows)."""
+backward pass (measured alone on CPU: about 4 in the forward, 10-11 in the backward for 760-2,000 rows)."""
 CUDA_RUNTIME = int(1.0 * GiB)
 """CUDA context + cuBLAS workspaces + NCCL buffers per GPU process (outside the caching allocator)."""
 CPU_RUNTIME = int(270 * MiB)
 """TRL's trainer, the dataset, OpenMP and allocator arenas on CPU beyond the model's tensors: peak RSS
 of a training run whose tensors are negligible (benchmarks/memory_plan.py, case ``runtime``: 267-268 MiB)."""
+DECODE_FLOOR_PER_LAYER = {"transformers": 1.0e-3, "vllm": 1.0e-4}
+"""Seconds per decoded token per layer below which generation does not go on a GPU, however small the
+model: kernel launches and Python in eager transformers ``generate`` (about 25 ms per step for a
+24-layer model), CUDA graphs in vLLM. An assumption, not a measurement made here."""
 TIGHT = 0.9
 """A plan above this fraction of the device memory fits but is flagged ``tight``."""
 
@@ -661,7 +665,8 @@ def plan_step(model: ModelShape, settings: TrainSettings, *, parallel: Parallel 
 
 def _decode_seconds(model: ModelShape, s: TrainSettings, device: Device, sequences: float) -> float:
     """Memory-bound time to decode ``sequences`` completions on one device: each decode step reads the
-    weights once and the KV cache of every sequence in flight. transformers decodes the whole local
+    weights once and the KV cache of every sequence in flight, and takes at least
+    :data:`DECODE_FLOOR_PER_LAYER` per layer on a GPU. transformers decodes the whole local
     generation batch at once; vLLM as many as its KV budget (its memory share minus its weights) holds."""
     assert device.bandwidth
     weight_bytes = model.parameters * s.param_bytes
@@ -674,8 +679,11 @@ def _decode_seconds(model: ModelShape, s: TrainSettings, device: Device, sequenc
         concurrent = max(1.0, sequences)
     waves = math.ceil(sequences / concurrent)
     ctx = s.max_prompt_length + s.max_completion_length / 2
-    per_step = weight_bytes + concurrent * ctx * kv_token
-    return waves * s.max_completion_length * per_step / device.bandwidth
+    per_step = (weight_bytes + concurrent * ctx * kv_token) / device.bandwidth
+    if device.is_cuda:
+        engine = "vllm" if s.use_vllm else "transformers"
+        per_step = max(per_step, DECODE_FLOOR_PER_LAYER[engine] * model.num_layers)
+    return waves * s.max_completion_length * per_step
 
 
 def _throughput(model: ModelShape, s: TrainSettings, p: Parallel, device: Device, lora: LoraShape | None,

@@ -340,7 +340,8 @@ def main(cfg: PipelineConfig, *, device: str | None = None, memory_gib: float | 
 
 
 def _plan_json(label: str, p: Plan) -> dict[str, Any]:
-    return {"label": label, "device": p.device.name, "device_memory": p.device.memory, "peak": p.peak,
+    return {"label": label, "device": p.device.name, "device_memory": p.device.memory,
+            "device_available": p.device.available, "peak": p.peak,
             "peak_phase": p.peak_phase, "verdict": p.verdict, "components": p.components, "runtime": p.runtime,
             "phases": p.phase_totals, "flops": p.flops, "seconds": p.seconds, "parameters": p.model.parameters,
             "trainable": p.trainable, "world_size": p.parallel.world_size, "prompts_per_step": p.prompts_per_step,
