@@ -102,7 +102,7 @@ def main() -> None:
                 row = run_case(name, arm, [], Path(tmp), args.steps)
                 row["calibration"] = (name, arm) in CALIBRATION
                 rows.append(row)
-                print(f"{name:<13}{arm:<6}{row['parameters'] / 1e6:>8.1f}M  plan {row['plan'] / MiB:>7.0f} MiB  "
+                print(f"{name:<17}{arm:<6}{row['parameters'] / 1e6:>8.1f}M  plan {row['plan'] / MiB:>7.0f} MiB  "
                       f"measured {row['measured'] / MiB:>7.0f} MiB  plan/measured {row['ratio']:.2f}  "
                       f"step {row['seconds_per_step']:.1f} s (plan {row['plan_seconds_per_step']:.1f} s)", flush=True)
     checked = [r for r in rows if (r["case"], r["arm"]) not in CALIBRATION]

@@ -259,6 +259,22 @@ def test_cpu_plans_must_fit_the_ram_and_say_when_it_is_not_free_now() -> None:
     assert not plan_step(shipped("SmolLM2-135M-Instruct"), settings(), device=CPU).above_available
 
 
+def test_generation_time_is_bounded_by_the_decode_floor_and_by_bandwidth() -> None:
+    from vpo.memory_plan import DECODE_FLOOR_PER_LAYER, known_gpu
+
+    small = shipped("Qwen2.5-0.5B-Instruct")
+    s = settings(bf16=True, param_dtype="bfloat16", max_completion_length=512)
+    plan = plan_step(small, s, device=H100)
+    assert plan.seconds["generation"] >= 512 * small.num_layers * DECODE_FLOOR_PER_LAYER["transformers"]
+    big = shipped("Qwen2.5-Coder-7B-Instruct")
+    l4 = plan_step(big, settings(bf16=True, param_dtype="bfloat16", per_device_train_batch_size=2,
+                                 num_generations=2), device=DEVICES["l4"])
+    assert l4.seconds["generation"] >= 256 * big.parameters * 2 / DEVICES["l4"].bandwidth  # weights read per token
+    assert known_gpu("NVIDIA H100 80GB HBM3", 85 * 10**9) is DEVICES["h100-80gb"]
+    assert known_gpu("NVIDIA A100-SXM4-40GB", 42 * 10**9) is DEVICES["a100-40gb"]
+    assert known_gpu("Tesla T4", 16 * 10**9) is None
+
+
 def test_a_plan_that_fits_passes_and_states_its_step_time() -> None:
     plan = check(plan_step(shipped("SmolLM2-135M-Instruct"), settings(), device=CPU))
     assert plan.fits and plan.peak < CPU.memory and plan.step_seconds > 0

@@ -789,9 +789,9 @@ def format_plan(plan: Plan, label: str = "") -> str:
     lora = f", LoRA r={plan.lora.r} on {len(plan.lora.target_modules)} projections" if plan.lora else ""
     seqs = "sequence" if s.per_device_train_batch_size == 1 else "sequences"
     lines.append(f"  batch: {s.per_device_train_batch_size} {seqs} per micro-step x {s.gradient_accumulation_steps} "
-                 f"accumulation x {p.world_size} processes = {plan.prompts_per_step} prompts x {s.num_generations} "
+                 f"accumulation x {p.world_size} process{'es' if p.world_size != 1 else ''} = {plan.prompts_per_step} prompts x {s.num_generations} "
                  f"generations per optimizer step; generation batch {plan.generation_batch_size} "
-                 f"({plan.steps_per_generation} micro-steps per round); tokens {s.max_prompt_length} prompt + "
+                 f"({plan.steps_per_generation} micro-step{'s' if plan.steps_per_generation != 1 else ''} per round); tokens {s.max_prompt_length} prompt + "
                  f"{s.max_completion_length} completion; gradient checkpointing "
                  f"{'on' if s.gradient_checkpointing else 'off'}{lora}")
     lines.append("  per device:")
