@@ -53,7 +53,7 @@ def problems(exc: ConfigError) -> dict[str, str]:
 
 def test_shipped_file_loads_every_pipeline_and_variant() -> None:
     cfgs = load_all(PIPELINES)
-    assert list(cfgs) == ["route", "chat-smollm2", "code-tiny", "code-qwen-coder"]
+    assert list(cfgs) == ["route", "chat-smollm2", "code-tiny", "code-qwen-coder", "code-qwen-1gpu-lora"]
     assert pipeline_names(PIPELINES)[0] == "route"
     quick = load_all(PIPELINES, quick=True)
     assert quick["route"].quick and not cfgs["route"].quick

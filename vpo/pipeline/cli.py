@@ -7,6 +7,7 @@
     vpo dvc [--check] [--add V] [--remove V]        regenerate (or check) dvc.yaml and params.yaml
     vpo registry list|show|best|fetch|promote|verify|migrate   registered models (DVC artifacts, GTO stages)
     vpo pipelines                                   the pipelines in pipelines.yaml
+    vpo plan [--pipeline P] [--quick] [--device D | --memory GIB]   memory and step-time plan per arm
 
 A stage runs only when its output does not answer the current settings, code and inputs (it says
 why); ``--force`` runs it anyway. Exit codes: 0 done; 2 bad input (config, data, reward, checkpoint,
@@ -130,6 +131,15 @@ def _parser() -> argparse.ArgumentParser:
                            add_help=False)
     p_reg.add_argument("rest", nargs=argparse.REMAINDER)
     sub.add_parser("pipelines", help="list pipelines").add_argument("--config", default="pipelines.yaml")
+    p_plan = sub.add_parser("plan", help="per-device memory and step time of each arm; exit 2 when one does not fit")
+    _common(p_plan)
+    p_plan.add_argument("--device", default=None, help="plan for this card (h100-80gb, a100-80gb, l4, ...; "
+                        "default: this machine's GPU, else its RAM)")
+    p_plan.add_argument("--memory", type=float, default=None, metavar="GIB", help="device memory in GiB")
+    p_plan.add_argument("--tflops", type=float, default=None, help="device dense TFLOP/s for the step time")
+    p_plan.add_argument("--processes", type=int, default=None, help="world size (default: the accelerate config's)")
+    p_plan.add_argument("--arm", default=None, help="only this arm")
+    p_plan.add_argument("--json", action="store_true", help="print the plans as JSON")
     return ap
 
 
@@ -256,6 +266,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return dvc_main(["--config", args.config, *(["--check"] if args.check else []),
                          *[a for v in args.add for a in ("--add", v)], *[a for v in args.remove for a in ("--remove", v)]])
     cfg = _load(args)
+    if args.cmd == "plan":
+        from vpo.pipeline.errors import StageError
+        from vpo.pipeline.plan import main as plan_main
+
+        try:
+            return plan_main(cfg, device=args.device, memory_gib=args.memory, tflops=args.tflops,
+                             processes=args.processes, arm=args.arm, as_json=args.json)
+        except (StageError, ValueError) as exc:
+            _fail(str(exc))
     if args.cmd in ("run", "stage"):
         from vpo.pipeline import console
         from vpo.pipeline.errors import EXIT_INTERRUPTED

@@ -43,6 +43,7 @@ from vpo.pipeline.console import detail, format_numbers, log, progress
 from vpo.pipeline.context import StageContext
 from vpo.pipeline.errors import StageError
 from vpo.pipeline.inputs import load_rows, stage_command
+from vpo.pipeline.plan import check_plan
 from vpo.pipeline.settings import batch_plan, peft_config, vpo_config_kwargs
 from vpo.pipeline.state import read_state, why_stale, write_state
 from vpo.rewards import VectorReward
@@ -373,6 +374,7 @@ def train(ctx: StageContext) -> dict[str, Any]:
     except ValueError as exc:  # TRL's or VPOConfig's own check of a value (e.g. an unknown loss_type)
         raise StageError(f"{rid}: TRL's GRPOConfig / VPOConfig rejected the settings of arm {run.arm.name!r} in "
                          f"pipeline {cfg.name!r}: {str(exc).splitlines()[0]}") from None
+    check_plan(ctx, args)  # refuse before loading the model when the memory plan does not fit
     tok = AutoTokenizer.from_pretrained(str(layout.base))
     model = AutoModelForCausalLM.from_pretrained(str(layout.base))
     callbacks: list[Any] = [ProgressFileCallback(layout.arm_progress(rid)),
