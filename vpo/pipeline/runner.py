@@ -253,8 +253,8 @@ def run_side_by_side(cfg: PipelineConfig, steps: Sequence[Step], ex: ExecutionPl
     train beside it. A failed step lets the running ones finish, starts no new one, then raises."""
     from vpo.pipeline.processes import kill_group, untrack
 
-    log(f"{len(steps)} training runs, {ex.max_parallel} at once ({ex.reason}; "
-        f"{ex.slots()[0].describe()} each); per-run logs in {_shown_path(layout.logs)}/*-stage-train-*.log")
+    log(f"{len(steps)} training runs, {ex.max_parallel} at once ({ex.reason}); per-run logs in "
+        f"{_shown_path(layout.logs)}/*-stage-train-*.log")
     pending, free = list(steps), ex.slots()
     running: list[_Child] = []
     failed: list[_Child] = []
