@@ -52,11 +52,21 @@ def register(sub: Any, add_common_options: Callable[[argparse.ArgumentParser], N
 def _stop_temporary_servers() -> None:
     """Stop the temporary API server Prefect starts in this process when no PREFECT_API_URL is set (it
     would otherwise outlive a signal: atexit handlers do not run on SIGTERM's default action)."""
+    if "prefect" not in sys.modules:
+        return
     try:
         from prefect.server.api.server import SubprocessASGIServer
     except ImportError:
         return
-    for server in list(getattr(SubprocessASGIServer, "_instances", {}).values()):
+    servers = list(getattr(SubprocessASGIServer, "_instances", {}).values())
+    if servers:
+        try:  # what the flow logged last reaches the server before it stops
+            from prefect.logging.handlers import APILogWorker
+
+            APILogWorker.drain_all(timeout=5)
+        except Exception:  # noqa: BLE001 (best effort while stopping)
+            pass
+    for server in servers:
         try:
             server.stop()
         except Exception:  # noqa: BLE001 (best effort while stopping)

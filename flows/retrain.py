@@ -35,7 +35,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact
-from prefect.futures import PrefectFuture, wait
+from prefect.futures import PrefectFuture, as_completed
 from prefect.runtime import flow_run as runtime_flow_run
 from prefect.tasks import exponential_backoff
 
@@ -90,13 +90,12 @@ def _side_by_side(steps: list[StageStep], slots: int, submit: Callable[[StageSte
         while pending and free and failure is None:
             slot = free.pop(0)
             running[submit(pending.pop(0), slot)] = slot
-        done, _ = wait(list(running), return_when="FIRST_COMPLETED")
-        for future in done:
-            free.append(running.pop(future))
-            try:
-                results.append(future.result())
-            except BaseException as exc:  # noqa: BLE001 (re-raised once the others have finished)
-                failure = failure or exc
+        future = next(iter(as_completed(list(running))))  # the first one to finish
+        free.append(running.pop(future))
+        try:
+            results.append(future.result())
+        except BaseException as exc:  # noqa: BLE001 (re-raised once the others have finished)
+            failure = failure or exc
     if failure is not None:
         raise failure
 
