@@ -19,6 +19,7 @@ temporary Prefect server -- then it prints one line and exits 143 / 129 / 130 (n
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from collections.abc import Callable
@@ -60,17 +61,13 @@ def _stop_temporary_servers() -> None:
         return
     servers = list(getattr(SubprocessASGIServer, "_instances", {}).values())
     if servers:
-        try:  # what the flow logged last reaches the server before it stops
-            from prefect.logging.handlers import APILogWorker
+        from prefect.logging.handlers import APILogWorker
 
+        with contextlib.suppress(Exception):  # what the flow logged last reaches the server before it stops
             APILogWorker.drain_all(timeout=5)
-        except Exception:  # noqa: BLE001 (best effort while stopping)
-            pass
     for server in servers:
-        try:
+        with contextlib.suppress(Exception):  # best effort while stopping
             server.stop()
-        except Exception:  # noqa: BLE001 (best effort while stopping)
-            pass
 
 
 def _guarded(args: argparse.Namespace, body: Callable[[], int], stopped: str) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from types import TracebackType
+from typing import Self
 
 import psutil
 
@@ -45,11 +45,11 @@ class Descendants:
             except psutil.Error:
                 continue
 
-    def __enter__(self) -> Descendants:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
 

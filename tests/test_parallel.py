@@ -8,6 +8,7 @@ prepared folder (data, rewards and a 1-layer base built once per session, tests/
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shlex
@@ -149,7 +150,7 @@ def test_model_cache_is_filled_once_and_read_whole(tmp_path: Path) -> None:
     assert all(s["files"] == seen[0]["files"] and len(s["files"]) == 21 for s in seen)
     assert len({s["by"] for s in seen}) == 1, "the cache was filled more than once"
     holds = sorted(tuple(map(float, line.split()[1:])) for line in log.read_text().splitlines())
-    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(holds, holds[1:], strict=False)), holds
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in itertools.pairwise(holds)), holds
     assert sum("waiting for another stage that is preparing the test cache" in o for o in outputs) >= 1
     assert not [p for p in cache.parent.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
 
@@ -200,8 +201,9 @@ def test_sigterm_to_vpo_run_stops_every_training_run_it_started(
     stopped = [ln for ln in out.splitlines() if "stopped by SIGTERM" in ln]
     command = shlex.join([str(VPO), "run", "--quick", "--config", str(config), "--set", "trainer.max_steps=400",
                           "--set", "execution.max_parallel=2"])
-    assert stopped == [f"[vpo] stopped by SIGTERM; run `{command}` again to resume (finished stages are kept, "
-                       "training resumes from its last checkpoint)"], out[-3000:]
+    expected = (f"[vpo] stopped by SIGTERM; run `{command}` again to resume (finished stages are kept, "
+                "training resumes from its last checkpoint)")
+    assert stopped == [expected], out[-3000:]
     assert watch.alive() == []
     assert not (config.parent / "runs" / RUN_NAME / "registry.json").exists()
 

@@ -188,8 +188,11 @@ class _Child:
 
 
 def _shown(line: str, label: str) -> bool:
-    """Whether a stage process's output line is a console line (stage events, its bar, its error)."""
-    if line.startswith("[vpo] full log: "):
+    """Whether a stage process's output line is a console line (stage events, its bar, its error);
+    none once this command is stopping (its own line says how to resume, not each stage's)."""
+    from vpo.pipeline.processes import stopping
+
+    if line.startswith("[vpo] full log: ") or stopping():
         return False
     return line.startswith(("[vpo] ", f"{label}: ", "error:", "warning:"))
 
@@ -205,7 +208,7 @@ def _pump(child: _Child, label: str) -> None:
         child.tail.append(line)
         if line.startswith("error:"):
             child.errors.append(line)
-            relay(f"[vpo] {label}: {line}", console=True)
+            relay(f"[vpo] {label}: {line}", console=_shown(line, label))
         elif _shown(line, label):
             relay(line, console=True)
         else:
