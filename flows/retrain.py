@@ -136,7 +136,8 @@ def _train_on_pool(plan: Plan, group: list[StageStep], done_before: list[StageSt
                 ", ".join(inputs), redact(plan.remote_url))
     futures = [train_on_pool.with_options(task_run_name=f"{step.label} on {deployment}").submit(
         deployment, step.label, {"pipeline": plan.pipeline, "quick": plan.quick, "config": config, "arm": step.arm,
-                                 "seed": step.seed, "inputs": records, "settings_digest": plan.settings_digest})
+                                 "seed": step.seed, "inputs": records, "settings_digest": plan.settings_digest},
+        f"{runtime_flow_run.id}-{step.label}")
         for step in group]
     outcomes: list[dict[str, Any]] = []
     failure: BaseException | None = None
@@ -230,21 +231,37 @@ def serve(
     name: str = "nightly",
     overrides: dict[str, Any] | None = None,
 ) -> None:
-    """Serve ``retrain`` as a cron deployment from this process (``flow.serve``: no work pool needed),
-    with the concurrency limit ``prefect.yaml``'s deployments have (one run at a time, later ones
-    queued). ``overrides`` become the deployment's default parameter; a run from the UI may change them."""
+    """Serve ``retrain`` as a cron deployment from this process (a Prefect ``Runner``: no work pool
+    needed) with the concurrency limit ``prefect.yaml``'s deployments have (one run at a time, later
+    ones queued); its schedule is paused when serving stops. ``overrides`` become the deployment's
+    default parameter; a run from the UI may change them. SIGTERM raises
+    :class:`vpo.pipeline.processes.Terminated` after the runner stopped (Prefect's own handler would
+    exit 0 without a word)."""
+    import asyncio
+    import signal
+
     from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
+    from prefect.runner import Runner
+
+    from vpo.pipeline.processes import Terminated
 
     make_plan(pipeline, quick, config, overrides)  # fail now on a bad config, not at 03:00
     params = {"pipeline": pipeline, "quick": quick, "config": str(Path(config).resolve()),
               "overrides": dict(overrides or {})}
-    retrain.serve(
+    runner = Runner(name=name, pause_on_shutdown=True, limit=1)
+    runner.add_flow(
+        retrain,
         name=name,
         cron=cron,
         parameters=params,
         tags=["vpo", "retrain"],
         description=f"Scheduled retrain of {variant_name(pipeline, quick)} ({cron}, UTC)",
-        global_limit=ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE),
-        limit=1,
-        print_starting_message=False,
+        concurrency_limit=ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE),
     )
+
+    def on_sigterm(*_: Any) -> None:
+        runner.stop()
+        raise Terminated(signal.SIGTERM)
+
+    runner.handle_sigterm = on_sigterm  # type: ignore[method-assign]  # start() installs this one
+    asyncio.run(runner.start())

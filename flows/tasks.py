@@ -535,13 +535,15 @@ def read_arm_result(flow_run_id: UUID) -> dict[str, Any]:
 
 
 @task(name="train-on-pool", cache_policy=NO_CACHE)
-def train_on_pool(deployment: str, label: str, parameters: dict[str, Any]) -> dict[str, Any]:
+def train_on_pool(deployment: str, label: str, parameters: dict[str, Any], key: str) -> dict[str, Any]:
     """Run one training run as a flow run of ``deployment`` (its work pool decides the worker), wait
-    for it, and return what it reported (its dvc.lock record, where and when it trained)."""
+    for it, and return what it reported (its dvc.lock record, where and when it trained). ``key``
+    (the calling flow run and the run's label) makes the request idempotent: a request the client
+    repeats after a timeout returns the same flow run instead of starting the training twice."""
     from prefect.deployments import run_deployment
 
     logger = get_run_logger()
-    run = run_deployment(name=deployment, parameters=parameters, timeout=None)
+    run = run_deployment(name=deployment, parameters=parameters, timeout=None, idempotency_key=key)
     state = run.state
     if state is None or not state.is_completed():
         raise PermanentStageFailure(f"{label}: flow run {run.name} of {deployment} ended "
