@@ -584,8 +584,9 @@ def register(plan: Plan) -> dict[str, Any]:
 
 
 class _StageFailureFormatter(logging.Formatter):
-    """A console formatter that leaves out the traceback of a :class:`StageFailed`: the stage already
-    printed its own one-line error, and Prefect's traceback only shows the flow code re-raising it.
+    """A console formatter that leaves out the traceback of a :class:`StageFailed` or an interruption
+    (Ctrl-C, SIGTERM): the stage already printed its own one-line error (the command its one line on
+    stopping), and Prefect's traceback only shows the flow code re-raising it.
     Other exceptions keep theirs; the UI's log handler is untouched (it still gets the traceback)."""
 
     def __init__(self, inner: logging.Formatter | None) -> None:
@@ -594,7 +595,7 @@ class _StageFailureFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         exc = record.exc_info[1] if record.exc_info else None
-        if not isinstance(exc, StageFailed):
+        if not isinstance(exc, (StageFailed, KeyboardInterrupt)):  # an interruption says one line itself
             return self.inner.format(record)
         saved = record.exc_info, record.exc_text
         record.exc_info, record.exc_text = None, None

@@ -27,11 +27,11 @@ with pipeline_lock(run_dir, "route-quick", arm=arm, command="holder-under-test")
     if fork:
         child = os.fork()
         if child == 0:
-            time.sleep(120)
+            time.sleep(900)
             os._exit(0)
         print("child", child, flush=True)
     print("locked", flush=True)
-    time.sleep(120)
+    time.sleep(900)  # killed by the test; long enough for three CLI starts on a busy machine
 """
 
 
