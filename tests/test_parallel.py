@@ -243,3 +243,32 @@ def test_os_environ_is_untouched_by_a_stage_slot() -> None:
     before = dict(os.environ)
     execution_plan(_quick(), 4, Machine(cores=2)).slots()[0].env()
     assert dict(os.environ) == before
+
+
+def test_a_failed_training_run_becomes_the_commands_one_error(tmp_path: Path) -> None:
+    """What `vpo run` reports when training runs beside others fail: a lock refusal stays a lock
+    refusal (exit 3), bad input stays bad input (exit 2) with the run's own error line, a crash names
+    the run, its exit code and its last output; the others are counted."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from vpo.pipeline.errors import StageError
+    from vpo.pipeline.layout import RunLayout
+    from vpo.pipeline.locking import LockBusyError
+    from vpo.pipeline.runner import StageProcessFailed, _failure
+
+    layout = RunLayout(tmp_path / "runs" / RUN_NAME, RUN_NAME)
+
+    def child(label: str, rc: int, errors: list[str], tail: list[str]) -> object:
+        return SimpleNamespace(step=SimpleNamespace(label=label), proc=SimpleNamespace(returncode=rc),
+                               errors=errors, tail=deque(tail))
+
+    locked = _failure([child("train@vpo-s0", 3, ["error: arm vpo-s0 of pipeline x is already running"], [])], layout)
+    assert isinstance(locked, LockBusyError) and str(locked).startswith("train@vpo-s0: arm vpo-s0 of pipeline x")
+    bad = _failure([child("train@vpo-s0", 2, ["error: train row id 'r1': its prompt is 300 tokens"], []),
+                    child("train@grpo-s0", 2, ["error: x"], [])], layout)
+    assert isinstance(bad, StageError)
+    assert str(bad) == "train@vpo-s0: train row id 'r1': its prompt is 300 tokens (and 1 more: train@grpo-s0)"
+    crash = _failure([child("train@vpo-s0", -9, [], ["step 1", "Killed"])], layout)
+    assert isinstance(crash, StageProcessFailed) and str(crash).startswith("train@vpo-s0 exited with -9")
+    assert str(crash).endswith("  step 1\n  Killed")

@@ -286,6 +286,7 @@ def _job(args: argparse.Namespace, cfg: Any) -> int:
     from vpo.pipeline.errors import EXIT_BAD_INPUT, EXIT_LOCKED, StageError
     from vpo.pipeline.locking import LockBusyError
     from vpo.pipeline.registry import RegistryError
+    from vpo.pipeline.runner import StageProcessFailed
     from vpo.pipeline.storage import redact
     from vpo.pipeline.validation import ValidationError
     from vpo.rewards import RewardError
@@ -302,6 +303,9 @@ def _job(args: argparse.Namespace, cfg: Any) -> int:
     except LockBusyError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_LOCKED
+    except StageProcessFailed as exc:  # a training run beside others crashed: its own output says why
+        print(f"error: {redact(str(exc))}", file=sys.stderr)
+        return 1
     except (StageError, RewardError, RegistryError, ValidationError) as exc:
         print(f"error: {redact(str(exc))}", file=sys.stderr)
         return EXIT_BAD_INPUT
