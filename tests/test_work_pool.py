@@ -32,7 +32,8 @@ try:
 except ModuleNotFoundError:  # tests/ imported as a package
     from tests.flows_fixtures import DVC, REPO, make_repo, run, tool_env
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# about two minutes on a quiet 2-core machine; a loaded one (other suites at once) can take ten times that
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(2400)]
 
 POOL = "vpo-test-pool"
 ARMS = ("grpo-s0", "vpo-s0")
