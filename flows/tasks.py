@@ -331,14 +331,19 @@ class ProgressPoller:
         return format_numbers(read[2]) if read else ""
 
     def finish(self, status: str | None) -> None:
-        """Progress 100 %; with ``status`` (nothing trained now) the run's last logged steps too."""
-        if status is None or self.rows:
+        """Progress 100 %; when no step was seen while the stage ran (``status``: it did not train now,
+        e.g. "up to date"; or it finished between two polls) the run's last logged steps too."""
+        if self.rows:
             update_progress_artifact(artifact_id=UUID(self.spec.artifact_id), progress=100.0)
             return
         read = _read_progress(self.path)
         rows = [(s, read[1], n) for s, n in sorted(read[3].items())] if read else []
         if read and (not rows or rows[-1][0] != read[0]):
             rows.append((read[0], read[1], read[2]))
+        if not rows and status is None:  # nothing to show: no table at all beats "waiting" at 100 %
+            update_progress_artifact(artifact_id=UUID(self.spec.artifact_id), progress=100.0,
+                                     description=f"**{self.label}** done")
+            return
         update_progress_artifact(artifact_id=UUID(self.spec.artifact_id), progress=100.0,
                                  description=progress_markdown(self.label, rows, status))
 
