@@ -115,6 +115,12 @@ def maybe_inject_fault(label: str) -> None:
         raise InjectedFault(f"injected failure of task {label!r} on its first attempt ({FAULT_ENV})")
 
 
+def _retrying(name: str, retries: int, first_delay_s: float) -> dict[str, Any]:
+    """Options of a task retried with exponential backoff (jittered) unless its failure is permanent."""
+    return {"name": name, "retries": retries, "retry_delay_seconds": exponential_backoff(first_delay_s),
+            "retry_jitter_factor": 0.2, "retry_condition_fn": _retryable, "cache_policy": NO_CACHE}
+
+
 # --------------------------------------------------------------------------- subprocess plumbing
 
 
@@ -360,14 +366,7 @@ def stage_outcome(label: str, tail: Sequence[str], use_dvc: bool) -> str:
     return "ran"
 
 
-@task(
-    name="stage",
-    retries=2,
-    retry_delay_seconds=exponential_backoff(10),
-    retry_jitter_factor=0.2,
-    retry_condition_fn=_retryable,
-    cache_policy=NO_CACHE,
-)
+@task(**_retrying("stage", 2, 10))
 def run_stage(
     label: str, cmd: list[str], cwd: str, use_dvc: bool, variant: str, progress: ProgressSpec | None = None,
     env: dict[str, str] | None = None, limit: str | None = None,
@@ -463,14 +462,7 @@ def _dvc(args: list[str], cwd: Path, label: str) -> _Result:
     return res
 
 
-@task(
-    name="dvc-pull",
-    retries=3,
-    retry_delay_seconds=exponential_backoff(10),
-    retry_jitter_factor=0.2,
-    retry_condition_fn=_retryable,
-    cache_policy=NO_CACHE,
-)
+@task(**_retrying("dvc-pull", 3, 10))
 def dvc_pull(repo: str, remote_url: str, remote_name: str, targets: list[str], force: bool = False) -> dict[str, Any]:
     """Point DVC at the remote (``.dvc/config.local``, URL only) and restore the given stages' outputs
     (the plan passes only stages whose outputs are not in the workspace: nothing here is overwritten;
@@ -485,14 +477,7 @@ def dvc_pull(repo: str, remote_url: str, remote_name: str, targets: list[str], f
     return {"remote": redact(remote_url), "seconds": res.seconds, "targets": targets}
 
 
-@task(
-    name="dvc-commit",
-    retries=3,
-    retry_delay_seconds=exponential_backoff(5),
-    retry_jitter_factor=0.2,
-    retry_condition_fn=_retryable,
-    cache_policy=NO_CACHE,
-)
+@task(**_retrying("dvc-commit", 3, 5))
 def dvc_commit(repo: str, stages: list[str]) -> dict[str, Any]:
     """Record stages that ran outside ``dvc repro`` (training runs side by side: two ``dvc repro`` in
     one repository wait for each other's lock) in ``dvc.lock`` and the cache, as ``dvc repro`` would."""
@@ -500,14 +485,7 @@ def dvc_commit(repo: str, stages: list[str]) -> dict[str, Any]:
     return {"stages": list(stages), "seconds": res.seconds}
 
 
-@task(
-    name="dvc-push",
-    retries=3,
-    retry_delay_seconds=exponential_backoff(10),
-    retry_jitter_factor=0.2,
-    retry_condition_fn=_retryable,
-    cache_policy=NO_CACHE,
-)
+@task(**_retrying("dvc-push", 3, 10))
 def dvc_push(repo: str, remote_url: str, remote_name: str, targets: list[str]) -> dict[str, Any]:
     """Upload this variant's outputs to the DVC remote (content-addressed, so a retry resumes)."""
     configure_dvc_remote(repo, remote_url, name=remote_name)
@@ -558,14 +536,7 @@ def train_on_pool(deployment: str, label: str, parameters: dict[str, Any], key: 
     return result
 
 
-@task(
-    name="register",
-    retries=2,
-    retry_delay_seconds=exponential_backoff(10),
-    retry_jitter_factor=0.2,
-    retry_condition_fn=_retryable,
-    cache_policy=NO_CACHE,
-)
+@task(**_retrying("register", 2, 10))
 def register(plan: Plan) -> dict[str, Any]:
     """Register every arm checkpoint (``vpo stage register``) and return registry.json. Registrations
     into one registry take turns across machines (a global concurrency limit, :mod:`flows.locks`)."""
