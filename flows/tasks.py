@@ -192,6 +192,8 @@ def run_streaming(
                 continue
             line = redact(line)
             tail.append(line)
+            if stopping():  # the command says once how to resume; the stage's own advice would mislead
+                continue
             logger.info("%s | %s", log_prefix, line)
 
     # the reader thread runs in a copy of this context: Prefect's settings (the API URL of `vpo ui`'s
