@@ -99,7 +99,7 @@ def test_the_prefect_commands_join_vpo_through_the_entry_point_group() -> None:
 
     eps = {ep.name: ep.value for ep in entry_points(group=cli.COMMAND_GROUP)}
     assert eps.get("prefect") == "flows.cli:register", eps
-    parser, handlers = cli._parser()
+    parser, handlers = cli._parser_and_handlers()
     assert {"flow", "ui", "serve"} <= set(handlers)
     args = parser.parse_args(["flow", "--quick", "--arms-on", "train-arm/x"])
     assert args.cmd == "flow" and args.quick and args.arms_on == "train-arm/x"

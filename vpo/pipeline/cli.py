@@ -81,6 +81,10 @@ def _fail(message: str, code: int = 2) -> None:
 
 def load_config(args: argparse.Namespace) -> Any:
     """The pipeline config the common options name; exit 2 with one ``error:`` line when it is bad."""
+    return _load(args)
+
+
+def _load(args: argparse.Namespace) -> Any:
     from pathlib import Path
 
     from vpo.pipeline.config import PARAMS_FILE, ConfigError, load_pipeline, load_variant
@@ -108,7 +112,12 @@ def _registered_commands(sub: Any) -> dict[str, Handler]:
     return handlers
 
 
-def _parser() -> tuple[argparse.ArgumentParser, dict[str, Handler]]:
+def _parser() -> argparse.ArgumentParser:
+    """The ``vpo`` argument parser (every command, those of other layers included)."""
+    return _parser_and_handlers()[0]
+
+
+def _parser_and_handlers() -> tuple[argparse.ArgumentParser, dict[str, Handler]]:
     from vpo.pipeline.graph import STAGES
 
     handlers: dict[str, Handler] = {}
@@ -247,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from vpo.pipeline.registry import main as registry_main
 
         return registry_main(argv[1:], default_registry=_default_registry(), prog="vpo registry")
-    parser, handlers = _parser()
+    parser, handlers = _parser_and_handlers()
     args = parser.parse_args(argv)
     if args.cmd in handlers:
         return handlers[args.cmd](args)
