@@ -1,10 +1,15 @@
 """What a retrain flow run will do, resolved from the config and the stage table before any work.
 
-The steps are :func:`vpo.pipeline.graph.plan`'s (the stages ``dvc.yaml`` declares, in order); each
-runs as ``dvc repro --single-item <variant>-<label>`` when DVC manages the pipeline (the repository's
-own ``pipelines.yaml`` with a current ``dvc.yaml``), else as the ``vpo stage`` CLI. Overrides
-(``--set`` / the flow's ``overrides`` parameter) change settings that ``dvc.yaml``'s stages read from
-``params.yaml``, so a run with overrides uses the CLI (and says so).
+The steps are :func:`vpo.pipeline.graph.plan`'s (the stages ``dvc.yaml`` declares, in order), in
+groups (:meth:`Plan.groups`): the arm x seed training runs form one group that runs side by side
+(at most :attr:`Plan.max_parallel` at once, each in a slot of its own threads and GPUs, see
+:mod:`vpo.pipeline.execution`); every other stage is a group of its own. When DVC manages the
+pipeline (the repository's own ``pipelines.yaml`` with a current ``dvc.yaml``) a lone stage runs as
+``dvc repro --single-item <variant>-<label>``, and the training runs as the commands ``dvc.yaml``
+gives them, recorded afterwards with ``dvc commit`` (two ``dvc repro`` in one repository wait for
+each other's lock); otherwise every stage runs as the ``vpo stage`` CLI. Overrides (``--set`` / the
+flow's ``overrides`` parameter) change settings that ``dvc.yaml``'s stages read from ``params.yaml``,
+so a run with overrides uses the CLI (and says so).
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ from typing import Any
 
 import yaml
 
-from vpo.pipeline.config import PipelineConfig, load_pipeline
+from vpo.pipeline.config import PipelineConfig, load_pipeline, settings_digest, variant_settings
+from vpo.pipeline.dvcrecord import declared_stages
+from vpo.pipeline.execution import Slot, execution_plan
 from vpo.pipeline.graph import plan
 from vpo.pipeline.layout import RunLayout
 
@@ -33,6 +40,14 @@ class StageStep:
     argv: tuple[str, ...]
     outputs: tuple[str, ...]
     run_id: str | None = None
+    variant_argv: tuple[str, ...] = ()
+    arm: str | None = None
+    seed: int | None = None
+
+    @property
+    def per_run(self) -> bool:
+        """A training run (independent of the other training runs)."""
+        return self.run_id is not None
 
 
 @dataclass(frozen=True)
@@ -53,6 +68,21 @@ class Plan:
     register_argv: tuple[str, ...]
     overrides: dict[str, Any] = field(default_factory=dict)
     mode_note: str = ""
+    max_parallel: int = 1
+    slots: tuple[Slot, ...] = ()
+    parallel_note: str = ""
+    settings_digest: str = ""
+
+    def groups(self) -> list[list[StageStep]]:
+        """The steps in run order: consecutive training runs together (run side by side), every
+        other stage alone."""
+        out: list[list[StageStep]] = []
+        for step in self.steps:
+            if step.per_run and out and out[-1][-1].per_run:
+                out[-1].append(step)
+            else:
+                out.append([step])
+        return out
 
     @property
     def dvc_targets(self) -> list[str]:
@@ -76,21 +106,6 @@ def artifact_slug(text: str) -> str:
     return re.sub(r"-{2,}", "-", slug) or "vpo"
 
 
-def _dvc_yaml_stages(path: Path) -> set[str]:
-    """Stage names declared in a dvc.yaml (``name`` and ``name@key`` for dict-valued ``foreach``)."""
-    data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    names: set[str] = set()
-    for name, body in (data.get("stages") or {}).items():
-        foreach = body.get("foreach") if isinstance(body, dict) else None
-        if isinstance(foreach, dict):
-            names.update(f"{name}@{key}" for key in foreach)
-        elif isinstance(foreach, list):
-            names.update(f"{name}@{i}" for i in range(len(foreach)))
-        else:
-            names.add(name)
-    return names
-
-
 def make_plan(pipeline: str = "route", quick: bool = False, config: str | os.PathLike[str] = "pipelines.yaml",
               overrides: dict[str, Any] | None = None) -> Plan:
     """Load the pipeline (one clear ConfigError on a bad file or override) and decide DVC vs CLI mode."""
@@ -104,14 +119,19 @@ def make_plan(pipeline: str = "route", quick: bool = False, config: str | os.Pat
         if not step.stage.in_dvc:
             continue
         argv = ["stage", step.stage.name, *cfg.cli_args()]
+        variant_argv = ["stage", step.stage.name, "--variant", cfg.variant, "--config", str(config_path)]
         if step.run is not None:
-            argv += ["--arm", step.run.arm.name, "--seed", str(step.run.seed)]
+            run_args = ["--arm", step.run.arm.name, "--seed", str(step.run.seed)]
+            argv += run_args
+            variant_argv += run_args
         steps.append(StageStep(step.label, step.dvc_name(cfg.variant), tuple(argv),
-                               tuple(str(p) for p in layout.outputs(step.stage.name, step.rid)), step.rid))
+                               tuple(str(p) for p in layout.outputs(step.stage.name, step.rid)), step.rid,
+                               tuple(variant_argv), step.run.arm.name if step.run else None,
+                               step.run.seed if step.run else None))
     dvc_yaml = repo / "dvc.yaml"
     use_dvc, note = False, "no dvc.yaml stages for this pipeline: stages run as `vpo stage`"
     if config_path.name == "pipelines.yaml" and dvc_yaml.is_file() and (repo / ".dvc").is_dir():
-        declared = _dvc_yaml_stages(dvc_yaml)
+        declared = declared_stages(dvc_yaml)
         wanted = [s.dvc_stage for s in steps]
         missing = [name for name in wanted if name not in declared]
         if len(missing) < len(wanted) and missing:
@@ -125,6 +145,8 @@ def make_plan(pipeline: str = "route", quick: bool = False, config: str | os.Pat
         elif not missing:
             use_dvc, note = True, "DVC stages (`dvc repro --single-item`): DVC's lock decides what re-runs"
     remote = cfg.resolve_url(cfg.storage.dvc_remote) if cfg.storage.dvc_remote else None
+    n_runs = sum(1 for s in steps if s.per_run)
+    ex = execution_plan(cfg, max(1, n_runs))
     return Plan(
         pipeline=cfg.name,
         quick=cfg.quick,
@@ -140,4 +162,8 @@ def make_plan(pipeline: str = "route", quick: bool = False, config: str | os.Pat
         register_argv=("stage", "register", *cfg.cli_args()),
         overrides=overrides,
         mode_note=note,
+        max_parallel=ex.max_parallel,
+        slots=tuple(ex.slots()),
+        parallel_note=f"{n_runs} training runs, {ex.max_parallel} at once ({ex.reason})",
+        settings_digest=settings_digest(variant_settings(cfg)),
     )

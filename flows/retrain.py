@@ -3,41 +3,57 @@
 One flow run is one retrain::
 
     dvc pull (only outputs missing from the workspace; if storage.dvc_remote is set)
-    -> data -> rewards -> base -> train@<arm>-s<seed> ... -> evaluate [-> search]   (one task each)
+    -> data -> rewards -> base -> train@<arm>-s<seed> ... (side by side) -> evaluate [-> search]
     -> dvc push (if a remote is set; retried with exponential backoff)
     -> register (checkpoints into storage.registry; only after the push)
     -> publish (markdown report with the best@k PNG, metrics and registry tables)
 
 The steps come from the stage table (:mod:`flows.plan`). **DVC is the cache authority** when it
-manages the pipeline: each stage task runs ``dvc repro --single-item <variant>-<stage>`` and DVC's
-lock decides whether the stage re-runs (the stage itself also skips work its output already
-answers). ``overrides`` (``vpo flow --set``, or a deployment run's parameters in the UI) run the
+manages the pipeline: a lone stage task runs ``dvc repro --single-item <variant>-<stage>`` and DVC's
+lock decides whether it re-runs; the training runs are submitted side by side (at most
+``execution.max_parallel`` at once, each with its own torch threads and GPUs), run as the commands
+``dvc.yaml`` gives them (each skips work its output already answers) and are recorded with one
+``dvc commit``. ``overrides`` (``vpo flow --set``, or a deployment run's parameters in the UI) run the
 ``vpo stage`` CLI with those settings instead. **Registration comes after the push**, so a registry
-entry never refers to DVC outputs the remote does not hold. Logs and artifacts pass through
+entry never refers to DVC outputs the remote does not hold. Each training run holds a Prefect global
+concurrency limit while it trains (:mod:`flows.locks`), so the same run never trains in two places.
+
+**Work-pool mode** (``arms_on="train-arm/<deployment>"``, ``vpo flow --arms-on``): each training
+run is a flow run of the ``train-arm`` deployment (:mod:`flows.arm`) on a work pool, so arms land on
+different workers (machines). The inputs go to the DVC remote first; each worker pulls them, trains,
+pushes its outputs and returns its ``dvc.lock`` record; this flow writes the records into its
+``dvc.lock`` and pulls the outputs, then evaluates as usual. Logs and artifacts pass through
 :func:`vpo.pipeline.storage.redact`; S3 credentials only ever come from the ``AWS_*`` variables.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact
+from prefect.futures import PrefectFuture, as_completed
 from prefect.runtime import flow_run as runtime_flow_run
 from prefect.tasks import exponential_backoff
 
-from flows.plan import artifact_slug, make_plan
+from flows.dvclock import merge_entries, read_entries
+from flows.locks import train_limit
+from flows.plan import Plan, StageStep, artifact_slug, make_plan
 from flows.report import publish, publish_failure
 from flows.tasks import (
+    PermanentStageFailure,
     ProgressSpec,
     dvc_cmd,
+    dvc_commit,
     dvc_pull,
     dvc_push,
     progress_markdown,
     register,
     run_stage,
+    train_on_pool,
     vpo_cmd,
 )
 from vpo.pipeline.layout import RunLayout
@@ -53,6 +69,96 @@ def _flow_run_name() -> str:
     return f"retrain-{variant}-{datetime.now(UTC):%Y%m%d-%H%M%S}"
 
 
+def _progress(plan: Plan, layout: RunLayout, step: StageStep) -> ProgressSpec | None:
+    """A training run's progress artifact (one per run, keyed by variant and run)."""
+    if not step.run_id:
+        return None
+    artifact = create_progress_artifact(
+        progress=0.0, key=f"{artifact_slug(plan.variant)}-train-{artifact_slug(step.run_id)}",
+        description=progress_markdown(f"{plan.variant}: train@{step.run_id}", []))
+    return ProgressSpec(artifact_id=str(artifact), progress_file=str(layout.arm_progress(step.run_id)))
+
+
+def _side_by_side(steps: list[StageStep], slots: int, submit: Callable[[StageStep, int], PrefectFuture[Any]],
+                  results: list[dict[str, Any]]) -> None:
+    """Submit ``steps`` with at most ``slots`` running at once (``submit(step, slot)``); when one
+    fails, start no new one, let the running ones finish, then raise the first failure."""
+    pending, free = list(steps), list(range(slots))
+    running: dict[PrefectFuture[Any], int] = {}
+    failure: BaseException | None = None
+    while pending or running:
+        while pending and free and failure is None:
+            slot = free.pop(0)
+            running[submit(pending.pop(0), slot)] = slot
+        future = next(iter(as_completed(list(running))))  # the first one to finish
+        free.append(running.pop(future))
+        try:
+            results.append(future.result())
+        except BaseException as exc:  # noqa: BLE001 (re-raised once the others have finished)
+            failure = failure or exc
+    if failure is not None:
+        raise failure
+
+
+def _train_locally(plan: Plan, layout: RunLayout, group: list[StageStep], backoff: Any,
+                   results: list[dict[str, Any]]) -> None:
+    """The training runs of ``group`` as stage tasks, side by side, each in its own slot."""
+    logger = get_run_logger()
+    logger.info("%s", plan.parallel_note)
+    stage_task = run_stage.with_options(retry_delay_seconds=backoff)
+
+    def submit(step: StageStep, slot: int) -> PrefectFuture[Any]:
+        spec = _progress(plan, layout, step)
+        cmd = vpo_cmd(*(step.variant_argv if plan.use_dvc else step.argv))
+        env = plan.slots[slot].env() if plan.slots else None
+        return stage_task.with_options(task_run_name=step.label).submit(
+            step.label, cmd, str(plan.repo), False, plan.variant, spec, env, train_limit(plan.variant, step.run_id or ""))
+
+    _side_by_side(group, max(1, plan.max_parallel), submit, results)
+    if plan.use_dvc:  # recorded as `dvc repro` would have: a later repro re-runs none of them
+        dvc_commit.with_options(retry_delay_seconds=backoff)(str(plan.repo), [s.dvc_stage for s in group])
+
+
+def _train_on_pool(plan: Plan, group: list[StageStep], done_before: list[StageStep], deployment: str,
+                   backoff: Any, results: list[dict[str, Any]]) -> None:
+    """The training runs of ``group`` as flow runs of ``deployment`` on its work pool: inputs pushed,
+    each run started at once, their dvc.lock records merged here and their outputs pulled."""
+    if not (plan.use_dvc and plan.remote_url):
+        raise PermanentStageFailure(
+            "arms_on (work-pool mode) exchanges inputs and outputs through the DVC remote: it needs the "
+            "repository's DVC stages (no --set overrides) and storage.dvc_remote")
+    logger = get_run_logger()
+    inputs = [s.dvc_stage for s in done_before]
+    dvc_push.with_options(retry_delay_seconds=backoff)(str(plan.repo), plan.remote_url, plan.remote_name, inputs)
+    records = read_entries(plan.repo, inputs)
+    config = str(plan.config.relative_to(plan.repo)) if plan.config.is_relative_to(plan.repo) else plan.config.name
+    logger.info("%d training runs on work pool deployment %s (inputs %s pushed to %s)", len(group), deployment,
+                ", ".join(inputs), redact(plan.remote_url))
+    futures = [train_on_pool.with_options(task_run_name=f"{step.label} on {deployment}").submit(
+        deployment, step.label, {"pipeline": plan.pipeline, "quick": plan.quick, "config": config, "arm": step.arm,
+                                 "seed": step.seed, "inputs": records, "settings_digest": plan.settings_digest},
+        f"{runtime_flow_run.id}-{step.label}")
+        for step in group]
+    outcomes: list[dict[str, Any]] = []
+    failure: BaseException | None = None
+    for future in futures:
+        try:
+            outcomes.append(future.result())
+        except BaseException as exc:  # noqa: BLE001 (re-raised after the others)
+            failure = failure or exc
+    if failure is not None:
+        raise failure
+    for out in outcomes:
+        where = out.get("worker") or {}
+        logger.info("%s trained on %s (pid %s, checkout %s) from %s to %s: %s", out["stage"], where.get("host"),
+                    where.get("pid"), where.get("checkout"), out.get("started"), out.get("ended"), out.get("outcome"))
+    merge_entries(plan.repo, {o["dvc_stage"]: o["lock"] for o in outcomes})
+    dvc_pull.with_options(retry_delay_seconds=backoff)(str(plan.repo), plan.remote_url, plan.remote_name,
+                                                       [s.dvc_stage for s in group], force=True)
+    results.extend({k: v for k, v in o.items() if k in ("stage", "outcome", "seconds", "last numbers", "where")}
+                   for o in outcomes)
+
+
 @flow(name="retrain", flow_run_name=_flow_run_name, log_prints=True)
 def retrain(
     pipeline: str = "route",
@@ -60,11 +166,15 @@ def retrain(
     config: str = "pipelines.yaml",
     overrides: dict[str, Any] | None = None,
     retry_delay_s: float = 10.0,
+    arms_on: str | None = None,
 ) -> dict[str, Any]:
-    """Retrain a pipeline: pull, stages (retried with backoff), push, register, publish artifacts.
+    """Retrain a pipeline: pull, stages (retried with backoff; training runs side by side), push,
+    register, publish artifacts.
 
     ``overrides`` maps dotted settings to values (``{"trainer.max_steps": 10}``), as ``vpo --set``;
-    ``retry_delay_s`` is the first retry delay of every task; later retries double it.
+    ``retry_delay_s`` is the first retry delay of every task; later retries double it. ``arms_on``
+    names a ``train-arm`` deployment (``"train-arm/train-arm-process"``): each training run becomes a
+    flow run of it on its work pool.
     """
     logger = get_run_logger()
     plan = make_plan(pipeline, quick, config, overrides)
@@ -76,24 +186,25 @@ def retrain(
     stage_task = run_stage.with_options(retry_delay_seconds=backoff)
     results: list[dict[str, Any]] = []
     current = "dvc-pull"
+    done: list[StageStep] = []
     try:
         pulled = None
         if sync:
             pulled = dvc_pull.with_options(retry_delay_seconds=backoff)(
                 str(plan.repo), plan.remote_url, plan.remote_name, plan.missing_targets()
             )
-        for step in plan.steps:
-            current = step.label
-            progress = None
-            if step.run_id:
-                artifact = create_progress_artifact(
-                    progress=0.0, key=f"{artifact_slug(plan.variant)}-train-{artifact_slug(step.run_id)}",
-                    description=progress_markdown(f"{plan.variant}: train@{step.run_id}", []))
-                progress = ProgressSpec(artifact_id=str(artifact),
-                                        progress_file=str(layout.arm_progress(step.run_id)))
-            cmd = dvc_cmd("repro", "--single-item", step.dvc_stage) if plan.use_dvc else vpo_cmd(*step.argv)
-            results.append(stage_task.with_options(task_run_name=step.label)(
-                step.label, cmd, str(plan.repo), plan.use_dvc, plan.variant, progress))
+        for group in plan.groups():
+            current = ", ".join(s.label for s in group)
+            if group[0].per_run and arms_on:
+                _train_on_pool(plan, group, done, arms_on, backoff, results)
+            elif group[0].per_run:
+                _train_locally(plan, layout, group, backoff, results)
+            else:
+                step = group[0]
+                cmd = dvc_cmd("repro", "--single-item", step.dvc_stage) if plan.use_dvc else vpo_cmd(*step.argv)
+                results.append(stage_task.with_options(task_run_name=step.label)(
+                    step.label, cmd, str(plan.repo), plan.use_dvc, plan.variant, None))
+            done += group
         pushed = None
         if sync:
             current = "dvc-push"
@@ -120,15 +231,37 @@ def serve(
     name: str = "nightly",
     overrides: dict[str, Any] | None = None,
 ) -> None:
-    """Serve ``retrain`` as a cron deployment from this process (``flow.serve``: no work pool needed).
-    ``overrides`` become the deployment's default parameter; a run from the UI may change them."""
+    """Serve ``retrain`` as a cron deployment from this process (a Prefect ``Runner``: no work pool
+    needed) with the concurrency limit ``prefect.yaml``'s deployments have (one run at a time, later
+    ones queued); its schedule is paused when serving stops. ``overrides`` become the deployment's
+    default parameter; a run from the UI may change them. SIGTERM raises
+    :class:`vpo.pipeline.processes.Terminated` after the runner stopped (Prefect's own handler would
+    exit 0 without a word)."""
+    import asyncio
+    import signal
+
+    from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
+    from prefect.runner import Runner
+
+    from vpo.pipeline.processes import Terminated
+
     make_plan(pipeline, quick, config, overrides)  # fail now on a bad config, not at 03:00
     params = {"pipeline": pipeline, "quick": quick, "config": str(Path(config).resolve()),
               "overrides": dict(overrides or {})}
-    retrain.serve(
+    runner = Runner(name=name, pause_on_shutdown=True, limit=1)
+    runner.add_flow(
+        retrain,
         name=name,
         cron=cron,
         parameters=params,
         tags=["vpo", "retrain"],
         description=f"Scheduled retrain of {variant_name(pipeline, quick)} ({cron}, UTC)",
+        concurrency_limit=ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE),
     )
+
+    def on_sigterm(*_: Any) -> None:
+        runner.stop()
+        raise Terminated(signal.SIGTERM)
+
+    runner.handle_sigterm = on_sigterm  # type: ignore[method-assign]  # start() installs this one
+    asyncio.run(runner.start())

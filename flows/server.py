@@ -1,25 +1,24 @@
-"""A local Prefect server for ``vpo ui``: started on loopback with ``PREFECT_HOME`` under the
-repository (or an already healthy one on that port reused), the flow run against it, its UI address
-printed, and the server stopped afterwards unless ``--keep``."""
+"""A local Prefect server for ``vpo ui`` and ``vpo serve``: started on loopback with ``PREFECT_HOME``
+under the repository (or an already healthy one on that port reused), the flow run (or served)
+against it, its UI address printed, and the server stopped afterwards unless ``--keep``."""
 
 from __future__ import annotations
 
 import os
-import signal
+import shlex
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from flows.tasks import kill_group
+from vpo.pipeline.processes import Terminated, kill_group, stop_on_signals
 from vpo.pipeline.storage import subprocess_env
 
-__all__ = ["LocalServer", "Terminated", "run_with_local_server", "stop_on_signals"]
+__all__ = ["LocalServer", "Terminated", "healthy", "prefect_home", "run_with_local_server", "stop_command",
+           "stop_on_signals"]
 
 
 def _exe(name: str) -> str | None:
@@ -28,6 +27,11 @@ def _exe(name: str) -> str | None:
 
     sibling = Path(sys.executable).with_name(name)
     return str(sibling) if sibling.exists() else shutil.which(name)
+
+
+def healthy(api_url: str, timeout: float = 2.0) -> bool:
+    """Whether a Prefect API answers ``/health`` at ``api_url``."""
+    return _healthy(api_url, timeout)
 
 
 def _healthy(api_url: str, timeout: float = 2.0) -> bool:
@@ -83,7 +87,8 @@ class LocalServer:
         )
 
     def keep(self) -> None:
-        """Leave the server running; ``prefect server stop`` (same PREFECT_HOME) stops it."""
+        """Leave the server running; :func:`stop_command` (``prefect server stop``, same PREFECT_HOME)
+        stops it."""
         if self.proc is not None:
             (self.home / "server.pid").write_text(str(self.proc.pid))
 
@@ -92,6 +97,19 @@ class LocalServer:
         if self.proc is not None:
             kill_group(self.proc)
             self.proc = None
+
+
+def prefect_home(config: str) -> Path:
+    """``PREFECT_HOME``, else ``.prefect`` beside the config file (the repository)."""
+    repo = Path(config).expanduser().resolve().parent
+    return Path(os.environ.get("PREFECT_HOME") or repo / ".prefect")
+
+
+def stop_command(home: Path) -> str:
+    """The command that stops a kept server, runnable as printed without an activated virtualenv."""
+    prefect = _exe("prefect")
+    cmd = shlex.quote(prefect) if prefect else f"{shlex.quote(sys.executable)} -m prefect"
+    return f"PREFECT_HOME={shlex.quote(str(home))} {cmd} server stop"
 
 
 def run_with_local_server(
@@ -103,9 +121,9 @@ def run_with_local_server(
     overrides: dict[str, Any] | None = None,
 ) -> str:
     """Start a local Prefect server (UI at http://127.0.0.1:PORT), run the flow against it and print
-    the flow run's UI address; stop the server afterwards unless ``keep``. Returns that address."""
-    repo = Path(config).expanduser().resolve().parent
-    home = Path(os.environ.get("PREFECT_HOME") or repo / ".prefect")
+    the flow run's UI address; stop the server afterwards unless ``keep``. Returns that address.
+    SIGTERM/SIGHUP/Ctrl-C stop the running stages and the server, then raise (KeyboardInterrupt)."""
+    home = prefect_home(config)
     server = LocalServer(home, port)
     with stop_on_signals():
         server.start()
@@ -114,30 +132,6 @@ def run_with_local_server(
         finally:
             _drain_logs()  # what the flow logged last reaches the server before it stops
             server.stop()
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM/SIGHUP turned into an exception, so ``finally`` blocks (stopping the server and the
-    stage's process group) run as they do on Ctrl-C."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(f"stopped by {signal.Signals(signum).name}")
-        self.signum = signum
-
-
-@contextmanager
-def stop_on_signals() -> Iterator[None]:
-    """Within the block SIGTERM and SIGHUP raise :class:`Terminated` in the main thread (Ctrl-C already
-    raises KeyboardInterrupt), so every server and subprocess this process started is stopped."""
-    def handler(signum: int, frame: Any) -> None:
-        raise Terminated(signum)
-
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
 
 
 def _drain_logs() -> None:
@@ -162,7 +156,7 @@ def _run_flow(server: LocalServer, home: Path, pipeline: str, quick: bool, confi
     print(f"\nflow run {state.name}: {address}")
     if keep:
         server.keep()
-        print(f"Prefect UI: {server.url}  (stop it with: PREFECT_HOME={home} prefect server stop)")
+        print(f"Prefect UI: {server.url}  (stop it with: {stop_command(home)})")
         server.proc = None
     if state.is_failed():
         raise SystemExit(1)

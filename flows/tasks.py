@@ -1,7 +1,9 @@
-"""The flow's Prefect tasks: one per stage (a subprocess, retried with backoff), DVC pull and push,
-registration. Nothing here decides what a stage is: :mod:`flows.plan` and the stage table do.
+"""The flow's Prefect tasks: one per stage (a subprocess, retried with backoff), DVC pull, commit and
+push, registration. Nothing here decides what a stage is: :mod:`flows.plan` and the stage table do.
 
-Stages run in a subprocess, so a retry starts clean; a non-zero exit fails the task. Deterministic
+Stages run in a subprocess (its own process group, registered with :mod:`vpo.pipeline.processes`
+so a SIGTERM or Ctrl-C of the command stops it), so a retry starts clean; a non-zero exit fails the
+task, except when the command is stopping (then nothing is retried). Deterministic
 failures (``vpo stage`` exit code 2: a great_expectations check, a bad config, a missing upstream
 output; a DVC error that is not about the network) are not retried; the flow stops with the
 underlying error line. Every output line goes to the task's log in the Prefect UI (redacted).
@@ -19,7 +21,6 @@ import logging
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -42,6 +43,7 @@ from prefect.tasks import Task, exponential_backoff
 
 from flows.plan import Plan, artifact_slug
 from vpo.pipeline.errors import EXIT_BAD_INPUT
+from vpo.pipeline.processes import kill_group, stopping, track, untrack
 from vpo.pipeline.storage import configure_dvc_remote, redact, subprocess_env
 
 __all__ = [
@@ -51,7 +53,9 @@ __all__ = [
     "PermanentStageFailure",
     "ProgressSpec",
     "StageFailed",
+    "Stopped",
     "console_without_stage_tracebacks",
+    "dvc_commit",
     "dvc_error",
     "dvc_pull",
     "dvc_push",
@@ -63,6 +67,8 @@ __all__ = [
 
 FAULT_ENV = "VPO_FAULT_ONCE"
 PROGRESS_POLL_S = 0.5
+REGISTRY_WAIT_S = 1800.0
+"""How long a registration waits for another one into the same registry to finish."""
 _TAIL_LINES = 80
 
 
@@ -89,10 +95,17 @@ class InjectedFault(RuntimeError):
     """Raised by the ``VPO_FAULT_ONCE`` hook on a task's first attempt."""
 
 
+class Stopped(StageFailed):
+    """The stage's process was stopped because the command got SIGTERM/SIGINT: never retried."""
+
+    permanent = True
+
+
 def _retryable(task: Task[Any, Any], task_run: TaskRun, state: State[Any]) -> bool:
-    """Retry condition: everything but permanent stage failures goes to the retry policy."""
+    """Retry condition: everything but permanent stage failures goes to the retry policy, and nothing
+    while the command is stopping."""
     exc = state.data if isinstance(state.data, BaseException) else None
-    return not getattr(exc, "permanent", False)
+    return not getattr(exc, "permanent", False) and not stopping()
 
 
 def maybe_inject_fault(label: str) -> None:
@@ -100,6 +113,12 @@ def maybe_inject_fault(label: str) -> None:
     wanted = {s.strip() for s in os.environ.get(FAULT_ENV, "").split(",") if s.strip()}
     if label in wanted and (runtime_task_run.run_count or 1) <= 1:
         raise InjectedFault(f"injected failure of task {label!r} on its first attempt ({FAULT_ENV})")
+
+
+def _retrying(name: str, retries: int, first_delay_s: float) -> dict[str, Any]:
+    """Options of a task retried with exponential backoff (jittered) unless its failure is permanent."""
+    return {"name": name, "retries": retries, "retry_delay_seconds": exponential_backoff(first_delay_s),
+            "retry_jitter_factor": 0.2, "retry_condition_fn": _retryable, "cache_policy": NO_CACHE}
 
 
 # --------------------------------------------------------------------------- subprocess plumbing
@@ -121,11 +140,13 @@ def vpo_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "vpo.pipeline.cli", *args]
 
 
-def _child_env() -> dict[str, str]:
+def _child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The stage environment: ours (S3 keys stay in memory) with this venv's bin first on PATH, so
-    the ``vpo`` commands in dvc.yaml resolve to the same installation."""
+    the ``vpo`` commands in dvc.yaml resolve to the same installation; ``extra`` (a concurrent stage's
+    threads and GPUs) on top."""
     env = subprocess_env(PYTHONUNBUFFERED="1")
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env.update(extra or {})
     return env
 
 
@@ -141,22 +162,27 @@ class _Result:
 
 
 def run_streaming(
-    cmd: Sequence[str], cwd: Path, *, log_prefix: str, on_tick: Callable[[float], None] | None = None
+    cmd: Sequence[str], cwd: Path, *, log_prefix: str, on_tick: Callable[[float], None] | None = None,
+    env: dict[str, str] | None = None,
 ) -> _Result:
     """Run ``cmd`` in its own process group, logging each output line (redacted) to the Prefect run
     logger and calling ``on_tick(start_time)`` about every second; the group is killed if we are
-    interrupted, so no stage outlives its task."""
+    interrupted (and by the command's signal handler, which knows every group), so no stage outlives
+    its task. ``env`` adds to the stage environment. Raises :class:`Stopped` when it was stopped."""
     logger = get_run_logger()
     t0 = time.time()
     tail: deque[str] = deque(maxlen=_TAIL_LINES)
-    proc = subprocess.Popen(
+    if stopping():
+        raise Stopped(f"{log_prefix}: not started, the command is stopping")
+    proc = track(subprocess.Popen(
         list(cmd),
         cwd=cwd,
-        env=_child_env(),
+        env=_child_env(env),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
         start_new_session=True,
-    )
+    ))
 
     def pump() -> None:
         assert proc.stdout is not None
@@ -166,6 +192,8 @@ def run_streaming(
                 continue
             line = redact(line)
             tail.append(line)
+            if stopping():  # the command says once how to resume; the stage's own advice would mislead
+                continue
             logger.info("%s | %s", log_prefix, line)
 
     # the reader thread runs in a copy of this context: Prefect's settings (the API URL of `vpo ui`'s
@@ -185,22 +213,12 @@ def run_streaming(
     except BaseException:
         kill_group(proc)
         raise
+    finally:
+        untrack(proc)
     reader.join(timeout=10)
+    if stopping():
+        raise Stopped(f"{log_prefix}: stopped (exit code {proc.returncode}) because the command is stopping")
     return _Result(rc=proc.returncode, tail=list(tail), seconds=round(time.time() - t0, 1))
-
-
-def kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM then SIGKILL the subprocess's whole process group."""
-    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 _VALIDATION_HEAD = re.compile(r"((?:dataset|reward vectors) '[^']*' failed \d+ of \d+ expectations:?)\s*$")
@@ -245,15 +263,19 @@ _PROGRESS_ROWS = 12
 """Rows of the per-step table in a training run's progress artifact (the newest steps)."""
 
 
-def progress_markdown(label: str, rows: Sequence[tuple[int, int, dict[str, float]]]) -> str:
-    """The progress artifact's description: the run and a table of its latest logged steps with the
-    headline numbers (reward, E max, diversity, parse rate, loss), newest first."""
+def progress_markdown(label: str, rows: Sequence[tuple[int, int, dict[str, float]]], status: str | None = None) -> str:
+    """The progress artifact's description: the run (``status``, e.g. "up to date", when it did not
+    train now) and a table of its latest logged steps with the headline numbers (reward, E max,
+    diversity, parse rate, loss), newest first."""
     from vpo.pipeline.stages.train import HEADLINE
 
     names = [name for name, _ in HEADLINE]
     head = ["step", *[("parse rate" if n == "parse" else n) for n in names]]
-    lines = [f"**{label}** step {rows[-1][0]}/{rows[-1][1]}" if rows else f"**{label}** waiting for the first step",
-             "", "| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    if rows:
+        title = f"**{label}** {status + ', ' if status else ''}step {rows[-1][0]}/{rows[-1][1]}"
+    else:
+        title = f"**{label}** {status or 'waiting for the first step'}"
+    lines = [title, "", "| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for step, _, numbers in reversed(rows[-_PROGRESS_ROWS:]):
         cells = [f"{100 * numbers[n]:.0f}%" if n == "parse" and n in numbers else
                  (f"{numbers[n]:.3f}" if n in numbers else "") for n in names]
@@ -261,57 +283,104 @@ def progress_markdown(label: str, rows: Sequence[tuple[int, int, dict[str, float
     return "\n".join(lines)
 
 
-def _progress_updater(spec: ProgressSpec, label: str) -> Callable[[float], None]:
-    """A tick callback that reads progress.json (if written after ``start``), sets the run's progress
-    artifact to its share of steps done with a table of the steps' numbers as its description, and
-    logs each new step with those numbers."""
-    from vpo.pipeline.console import format_numbers
+def _read_progress(path: Path) -> tuple[int, int, dict[str, float], dict[int, dict[str, float]]] | None:
+    """(step, max_steps, newest numbers, numbers by logged step) of a progress.json, or None."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        step, max_steps = int(data["step"]), max(1, int(data["max_steps"]))
+        numbers = {k: float(v) for k, v in (data.get("numbers") or {}).items() if isinstance(v, (int, float))}
+        logged = {int(s): {k: float(v) for k, v in n.items()} for s, n in data.get("rows") or []}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return step, max_steps, numbers, logged
 
-    last = [-1]
-    rows: list[tuple[int, int, dict[str, float]]] = []
-    path = Path(spec.progress_file)
-    logger = get_run_logger()
 
-    def tick(start: float) -> None:
+class ProgressPoller:
+    """Publishes a training run's progress.json to its progress artifact: :meth:`tick` (about every
+    second while the stage runs) pushes each new step (share of steps done, a table of the steps'
+    numbers) and logs it; :meth:`finish` sets 100 % and, when the run did not train now (up to date),
+    shows the numbers its last training logged instead of "waiting for the first step"."""
+
+    def __init__(self, spec: ProgressSpec, label: str) -> None:
+        self.spec, self.label = spec, label
+        self.path = Path(spec.progress_file)
+        self.rows: list[tuple[int, int, dict[str, float]]] = []
+        self.last = -1
+        self.logger = get_run_logger()
+
+    def tick(self, start: float) -> None:
+        from vpo.pipeline.console import format_numbers
+
         try:
-            if path.stat().st_mtime < start:
+            if self.path.stat().st_mtime < start:
                 return
-            data = json.loads(path.read_text(encoding="utf-8"))
-            step, max_steps = int(data["step"]), max(1, int(data["max_steps"]))
-            numbers = {k: float(v) for k, v in (data.get("numbers") or {}).items() if isinstance(v, (int, float))}
-            logged = {int(s): {k: float(v) for k, v in n.items()} for s, n in data.get("rows") or []}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        except OSError:
             return
-        if step > last[0]:
-            seen = {r[0] for r in rows}  # every logged step, also those between two polls
-            rows.extend((s, max_steps, n) for s, n in sorted(logged.items()) if s not in seen and s < step)
-            rows.append((step, max_steps, logged.get(step, numbers)))
-            update_progress_artifact(artifact_id=UUID(spec.artifact_id),
+        read = _read_progress(self.path)
+        if read is None:
+            return
+        step, max_steps, numbers, logged = read
+        if step > self.last:
+            seen = {r[0] for r in self.rows}  # every logged step, also those between two polls
+            self.rows.extend((s, max_steps, n) for s, n in sorted(logged.items()) if s not in seen and s < step)
+            self.rows.append((step, max_steps, logged.get(step, numbers)))
+            update_progress_artifact(artifact_id=UUID(self.spec.artifact_id),
                                      progress=round(100.0 * min(1.0, max(0.0, step / max_steps)), 1),
-                                     description=progress_markdown(label, rows))
+                                     description=progress_markdown(self.label, self.rows))
             text = format_numbers(numbers)
-            logger.info("%s: step %d/%d%s", label, step, max_steps, f"  {text}" if text else "")
-            last[0] = step
+            self.logger.info("%s: step %d/%d%s", self.label, step, max_steps, f"  {text}" if text else "")
+            self.last = step
 
-    return tick
+    def numbers(self) -> str:
+        """The newest logged numbers of the run (what it trained now, or before), compact."""
+        from vpo.pipeline.console import format_numbers
+
+        read = _read_progress(self.path)
+        return format_numbers(read[2]) if read else ""
+
+    def finish(self, status: str | None) -> None:
+        """Progress 100 %; when no step was seen while the stage ran (``status``: it did not train now,
+        e.g. "up to date"; or it finished between two polls) the run's last logged steps too."""
+        if self.rows:
+            update_progress_artifact(artifact_id=UUID(self.spec.artifact_id), progress=100.0)
+            return
+        read = _read_progress(self.path)
+        rows = [(s, read[1], n) for s, n in sorted(read[3].items())] if read else []
+        if read and (not rows or rows[-1][0] != read[0]):
+            rows.append((read[0], read[1], read[2]))
+        if not rows and status is None:  # nothing to show: no table at all beats "waiting" at 100 %
+            update_progress_artifact(artifact_id=UUID(self.spec.artifact_id), progress=100.0,
+                                     description=f"**{self.label}** done")
+            return
+        update_progress_artifact(artifact_id=UUID(self.spec.artifact_id), progress=100.0,
+                                 description=progress_markdown(self.label, rows, status))
 
 
-@task(
-    name="stage",
-    retries=2,
-    retry_delay_seconds=exponential_backoff(10),
-    retry_jitter_factor=0.2,
-    retry_condition_fn=_retryable,
-    cache_policy=NO_CACHE,
-)
+_UP_TO_DATE = re.compile(r"^\[vpo\] (\S+): up to date$")
+
+
+def stage_outcome(label: str, tail: Sequence[str], use_dvc: bool) -> str:
+    """``up to date`` when DVC skipped the stage or the stage found its output current, else ``ran``."""
+    if use_dvc and any("didn't change, skipping" in line for line in tail):
+        return "up to date"
+    if any((m := _UP_TO_DATE.match(line)) and m.group(1) == label for line in tail):
+        return "up to date"
+    return "ran"
+
+
+@task(**_retrying("stage", 2, 10))
 def run_stage(
-    label: str, cmd: list[str], cwd: str, use_dvc: bool, variant: str, progress: ProgressSpec | None = None
+    label: str, cmd: list[str], cwd: str, use_dvc: bool, variant: str, progress: ProgressSpec | None = None,
+    env: dict[str, str] | None = None, limit: str | None = None,
 ) -> dict[str, Any]:
-    """Run one stage (``dvc repro --single-item`` or ``vpo stage``); raise on a non-zero exit."""
+    """Run one stage (``dvc repro --single-item`` or ``vpo stage``); raise on a non-zero exit. ``env``
+    adds to its environment (a concurrent stage's threads and GPUs); ``limit`` names the global
+    concurrency limit it holds while it runs (:mod:`flows.locks`: one place at a time across machines)."""
     maybe_inject_fault(label)
     logger = get_run_logger()
-    tick = _progress_updater(progress, label) if progress is not None else None
-    res = run_streaming(cmd, Path(cwd), log_prefix=label, on_tick=tick)
+    poller = ProgressPoller(progress, label) if progress is not None else None
+    with _holding(limit, f"stage {label} of {variant}"):
+        res = run_streaming(cmd, Path(cwd), log_prefix=label, on_tick=poller.tick if poller else None, env=env)
     if res.rc != 0:
         message = validation_failure(res.tail)
         if message is not None:
@@ -320,12 +389,34 @@ def run_stage(
         rc = _inner_rc(res, use_dvc)
         kind = PermanentStageFailure if rc == EXIT_BAD_INPUT else StageFailed
         raise kind(f"stage {label} failed (exit code {rc}); last output:\n" + "\n".join(res.tail[-30:]))
-    if progress is not None:
-        update_progress_artifact(artifact_id=UUID(progress.artifact_id), progress=100.0)
-    skipped = use_dvc and any("didn't change, skipping" in line for line in res.tail)
-    outcome = "skipped (unchanged)" if skipped else "ran"
+    outcome = stage_outcome(label, res.tail, use_dvc)
+    result: dict[str, Any] = {"stage": label, "outcome": outcome, "seconds": res.seconds}
+    if poller is not None:
+        poller.finish(outcome if outcome != "ran" else None)
+        numbers = poller.numbers()
+        if numbers:
+            result["last numbers"] = numbers
     logger.info("stage %s %s in %.1f s", label, outcome, res.seconds)
-    return {"stage": label, "outcome": outcome, "seconds": res.seconds}
+    return result
+
+
+@contextmanager
+def _holding(limit: str | None, what: str) -> Iterator[None]:
+    """Hold global concurrency limit ``limit`` (none: nothing); busy elsewhere: a permanent failure."""
+    if limit is None:
+        yield
+        return
+    from flows.locks import Busy, exclusive
+
+    try:
+        cm = exclusive(limit, what)
+        cm.__enter__()
+    except Busy as exc:
+        raise PermanentStageFailure(str(exc)) from None
+    try:
+        yield
+    finally:
+        cm.__exit__(None, None, None)
 
 
 def _publish_validation_failure(variant: str, label: str, message: str) -> None:
@@ -373,34 +464,30 @@ def _dvc(args: list[str], cwd: Path, label: str) -> _Result:
     return res
 
 
-@task(
-    name="dvc-pull",
-    retries=3,
-    retry_delay_seconds=exponential_backoff(10),
-    retry_jitter_factor=0.2,
-    retry_condition_fn=_retryable,
-    cache_policy=NO_CACHE,
-)
-def dvc_pull(repo: str, remote_url: str, remote_name: str, targets: list[str]) -> dict[str, Any]:
+@task(**_retrying("dvc-pull", 3, 10))
+def dvc_pull(repo: str, remote_url: str, remote_name: str, targets: list[str], force: bool = False) -> dict[str, Any]:
     """Point DVC at the remote (``.dvc/config.local``, URL only) and restore the given stages' outputs
-    (the plan passes only stages whose outputs are not in the workspace: nothing here is overwritten)."""
+    (the plan passes only stages whose outputs are not in the workspace: nothing here is overwritten;
+    ``force``: outputs another machine produced replace what is here)."""
     configure_dvc_remote(repo, remote_url, name=remote_name)
     if not targets:
         get_run_logger().info("dvc-pull: nothing to restore (every output recorded in dvc.lock is in the "
                               "workspace)")
         return {"remote": redact(remote_url), "seconds": 0.0, "targets": []}
-    res = _dvc(["pull", "--allow-missing", "-r", remote_name, *targets], Path(repo), "dvc-pull")
+    args = ["pull", *(["--force"] if force else ["--allow-missing"]), "-r", remote_name, *targets]
+    res = _dvc(args, Path(repo), "dvc-pull")
     return {"remote": redact(remote_url), "seconds": res.seconds, "targets": targets}
 
 
-@task(
-    name="dvc-push",
-    retries=3,
-    retry_delay_seconds=exponential_backoff(10),
-    retry_jitter_factor=0.2,
-    retry_condition_fn=_retryable,
-    cache_policy=NO_CACHE,
-)
+@task(**_retrying("dvc-commit", 3, 5))
+def dvc_commit(repo: str, stages: list[str]) -> dict[str, Any]:
+    """Record stages that ran outside ``dvc repro`` (training runs side by side: two ``dvc repro`` in
+    one repository wait for each other's lock) in ``dvc.lock`` and the cache, as ``dvc repro`` would."""
+    res = _dvc(["commit", "--force", *stages], Path(repo), "dvc-commit")
+    return {"stages": list(stages), "seconds": res.seconds}
+
+
+@task(**_retrying("dvc-push", 3, 10))
 def dvc_push(repo: str, remote_url: str, remote_name: str, targets: list[str]) -> dict[str, Any]:
     """Upload this variant's outputs to the DVC remote (content-addressed, so a retry resumes)."""
     configure_dvc_remote(repo, remote_url, name=remote_name)
@@ -409,18 +496,61 @@ def dvc_push(repo: str, remote_url: str, remote_name: str, targets: list[str]) -
     return {"remote": redact(remote_url), "seconds": res.seconds, "summary": pushed}
 
 
-@task(
-    name="register",
-    retries=2,
-    retry_delay_seconds=exponential_backoff(10),
-    retry_jitter_factor=0.2,
-    retry_condition_fn=_retryable,
-    cache_policy=NO_CACHE,
-)
+ARM_RESULT = "arm-result"
+"""Key part of the markdown artifact in which a work-pool training run reports its dvc.lock record."""
+
+
+def arm_result_key(variant: str, run_id: str) -> str:
+    """The key of a training run's result artifact (``<variant>-arm-result-<run>``)."""
+    return f"{artifact_slug(variant)}-{ARM_RESULT}-{artifact_slug(run_id)}"
+
+
+def read_arm_result(flow_run_id: UUID) -> dict[str, Any]:
+    """The result a ``train-arm`` flow run published (its JSON block), from the Prefect API."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    with get_client(sync_client=True) as client:
+        arts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(
+            any_=[flow_run_id])))
+    for art in arts:
+        if art.key and ARM_RESULT in art.key and isinstance(art.data, str) and "```json" in art.data:
+            return json.loads(art.data.split("```json", 1)[1].split("```", 1)[0])
+    raise PermanentStageFailure(f"flow run {flow_run_id} completed without publishing its {ARM_RESULT} artifact")
+
+
+@task(name="train-on-pool", cache_policy=NO_CACHE)
+def train_on_pool(deployment: str, label: str, parameters: dict[str, Any], key: str) -> dict[str, Any]:
+    """Run one training run as a flow run of ``deployment`` (its work pool decides the worker), wait
+    for it, and return what it reported (its dvc.lock record, where and when it trained). ``key``
+    (the calling flow run and the run's label) makes the request idempotent: a request the client
+    repeats after a timeout returns the same flow run instead of starting the training twice."""
+    from prefect.deployments import run_deployment
+
+    logger = get_run_logger()
+    run = run_deployment(name=deployment, parameters=parameters, timeout=None, idempotency_key=key)
+    state = run.state
+    if state is None or not state.is_completed():
+        raise PermanentStageFailure(f"{label}: flow run {run.name} of {deployment} ended "
+                                    f"{state.name if state else 'without a state'}: {state.message if state else ''}")
+    result = read_arm_result(run.id)
+    logger.info("%s: flow run %s completed (%s)", label, run.name, result.get("outcome"))
+    return result
+
+
+@task(**_retrying("register", 2, 10))
 def register(plan: Plan) -> dict[str, Any]:
-    """Register every arm checkpoint (``vpo stage register``) and return registry.json."""
+    """Register every arm checkpoint (``vpo stage register``) and return registry.json. Registrations
+    into one registry take turns across machines (a global concurrency limit, :mod:`flows.locks`)."""
+    from flows.locks import Busy, exclusive, registry_limit
+
     maybe_inject_fault("register")
-    res = run_streaming(vpo_cmd(*plan.register_argv), plan.repo, log_prefix="register")
+    try:
+        with exclusive(registry_limit(plan.registry_url), f"registration into {redact(plan.registry_url)}",
+                       wait_s=REGISTRY_WAIT_S):
+            res = run_streaming(vpo_cmd(*plan.register_argv), plan.repo, log_prefix="register")
+    except Busy as exc:
+        raise StageFailed(str(exc)) from None
     if res.rc != 0:
         kind = PermanentStageFailure if res.rc == EXIT_BAD_INPUT else StageFailed
         raise kind(f"register failed (exit code {res.rc}); last output:\n" + "\n".join(res.tail[-30:]))
@@ -432,8 +562,9 @@ def register(plan: Plan) -> dict[str, Any]:
 
 
 class _StageFailureFormatter(logging.Formatter):
-    """A console formatter that leaves out the traceback of a :class:`StageFailed`: the stage already
-    printed its own one-line error, and Prefect's traceback only shows the flow code re-raising it.
+    """A console formatter that leaves out the traceback of a :class:`StageFailed` or an interruption
+    (Ctrl-C, SIGTERM): the stage already printed its own one-line error (the command its one line on
+    stopping), and Prefect's traceback only shows the flow code re-raising it.
     Other exceptions keep theirs; the UI's log handler is untouched (it still gets the traceback)."""
 
     def __init__(self, inner: logging.Formatter | None) -> None:
@@ -442,7 +573,7 @@ class _StageFailureFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         exc = record.exc_info[1] if record.exc_info else None
-        if not isinstance(exc, StageFailed):
+        if not isinstance(exc, (StageFailed, KeyboardInterrupt)):  # an interruption says one line itself
             return self.inner.format(record)
         saved = record.exc_info, record.exc_text
         record.exc_info, record.exc_text = None, None

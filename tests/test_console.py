@@ -100,7 +100,7 @@ def test_harmless_missing_keys_on_resume_are_silenced_only_while_the_tie_holds(t
 @pytest.mark.integration
 def test_ctrl_c_is_one_line_saying_how_to_resume(tmp_path: Path) -> None:
     """SIGINT while `vpo run --quick` trains its base: exit 130, one `interrupted` line naming the stage
-    and the command to run again, no traceback; the log file is there."""
+    and the command to run again (runnable as printed), no traceback; the log file is there."""
     shutil.copy(ROOT / "pipelines.yaml", tmp_path / "pipelines.yaml")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # SIGINT back to its default in the child: a shell that starts the test suite in the background
@@ -123,7 +123,21 @@ def test_ctrl_c_is_one_line_saying_how_to_resume(tmp_path: Path) -> None:
     assert proc.returncode == 130, out[-2000:] + err[-2000:]
     assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err, err[-3000:]
     line = [ln for ln in out.splitlines() if "interrupted" in ln]
-    expected = ("[vpo] interrupted during base; run `vpo run --quick --config pipelines.yaml` again to resume "
+    # the command as it runs from that folder without an activated virtualenv: this installation's vpo
+    expected = (f"[vpo] interrupted during base; run `{VPO} run --quick --config pipelines.yaml` again to resume "
                 "(finished stages are kept, training resumes from its last checkpoint)")
     assert line == [expected], out[-2000:]
     assert list((tmp_path / "runs" / "route-quick" / "logs").glob("*-run.log"))
+
+
+def test_printed_commands_run_without_an_activated_virtualenv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a checkout the command is `bin/vpo ...` (the launcher finds the project's Python); elsewhere
+    it is this installation's own `vpo` script by absolute path; words are shell-quoted."""
+    monkeypatch.chdir(tmp_path)
+    assert console.command("run", "--set", "a=b c") == f"{VPO} run --set 'a=b c'"
+    monkeypatch.chdir(ROOT)
+    assert console.command("run", "--quick") == "bin/vpo run --quick"
+    out = subprocess.run(["sh", "-c", console.command("pipelines") + " >/dev/null && echo ok"], cwd=ROOT,
+                         env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}, capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -276,48 +276,59 @@ def test_push_then_pull_into_empty_cache_s3_remote(repro_repo: Path, s3_bucket: 
 
 
 @pytest.fixture(scope="module")
-def main_job_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A repository copy in which `vpo run --quick` (no DVC) ran, with a `.venv` beside it as a fresh
-    clone after `make quick` has."""
+def main_job_repo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A repository copy in which `vpo run --quick` ran (no `dvc repro`; its training runs side by
+    side, two at once, as `execution.max_parallel: 2` in the committed pipelines.yaml says), with a
+    `.venv` beside it as a fresh clone after `make quick` has; and what it printed."""
     repo = make_repo(tmp_path_factory.mktemp("mainjob") / "repo")
+    path = repo / "pipelines.yaml"
+    raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    raw["pipelines"]["route"]["quick"]["execution"] = {"max_parallel": 2}
+    path.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
+    run([sys.executable, "-m", "vpo.pipeline.cli", "dvc"], repo)
+    run(["git", "-c", "user.name=t", "-c", "user.email=t@t.invalid", "commit", "-qam", "two at once"], repo)
     (repo / ".venv").symlink_to(Path(sys.executable).parents[1], target_is_directory=True)
-    run([sys.executable, "-m", "vpo.pipeline.cli", "run", "--quick", "--no-search"], repo, timeout=900,
-        env=tool_env(OMP_NUM_THREADS="1"))
-    return repo
+    proc = run([sys.executable, "-m", "vpo.pipeline.cli", "run", "--quick", "--no-search"], repo, timeout=900,
+               env=tool_env(OMP_NUM_THREADS="1"))
+    return repo, proc.stdout
 
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_dvc_repro_after_vpo_run_without_a_virtualenv_on_path(main_job_repo: Path) -> None:
-    """`env -i PATH=/usr/bin:/bin .venv/bin/dvc repro`: the stage commands find the project's Python
-    themselves; every stage reports up to date (nothing retrains, nothing is deleted), DVC records
-    the outputs, and a second repro runs nothing."""
-    repo = main_job_repo
+def test_dvc_repro_after_a_parallel_vpo_run_reruns_nothing(main_job_repo: tuple[Path, str]) -> None:
+    """`vpo run` trained the arms side by side, then recorded every stage it ran in dvc.lock (`dvc
+    commit`): `dvc status` is clean and `dvc repro` (run as `env -i PATH=/usr/bin:/bin .venv/bin/dvc`)
+    re-runs nothing. A forced stage finds the project's Python without a virtualenv on PATH, reports
+    up to date and changes no output."""
+    repo, printed = main_job_repo
+    assert "[vpo] 4 training runs, 2 at once" in printed and "[vpo] dvc.lock: recorded 8 stages" in printed, printed
+    env = {"HOME": str(Path.home()), "PATH": "/usr/bin:/bin", "DVC_NO_ANALYTICS": "1", "OMP_NUM_THREADS": "1"}
+    dvc = str(repo / ".venv" / "bin" / "dvc")
+    status = run([dvc, "status", f"{QUICK}-evaluate", "--with-deps"], repo, env=env)
+    assert "Data and pipelines are up to date" in status.stdout, status.stdout
+    ran, skipped = _ran_and_skipped(run([dvc, "repro", f"{QUICK}-evaluate"], repo, env=env).stdout)
+    assert ran == set() and skipped == _upto_evaluate()
     outputs = repo / "runs" / QUICK
     before = tree_digest(outputs)
-    env = {"HOME": str(Path.home()), "PATH": "/usr/bin:/bin", "DVC_NO_ANALYTICS": "1", "OMP_NUM_THREADS": "1"}
-    proc = run([str(repo / ".venv" / "bin" / "dvc"), "repro", f"{QUICK}-evaluate"], repo, env=env, timeout=900)
+    proc = run([dvc, "repro", "--force", "--single-item", f"{QUICK}-train@vpo-s0"], repo, env=env, timeout=900)
     assert "vpo: command not found" not in proc.stdout + proc.stderr
-    for label in ("data", "rewards", "base", "train@grpo-s0", "train@vpo-s0", "train@grpo_x3-s0",
-                  "train@max_at_k-s0", "evaluate"):
-        assert f"[vpo] {label}: up to date" in proc.stdout, proc.stdout[-3000:]
+    assert "[vpo] train@vpo-s0: up to date" in proc.stdout, proc.stdout[-3000:]
     after = tree_digest(outputs)
     assert {k: v for k, v in after.items() if k in before} == before  # nothing rebuilt or deleted
-    ran, skipped = _ran_and_skipped(run([str(repo / ".venv" / "bin" / "dvc"), "repro", f"{QUICK}-evaluate"], repo,
-                                        env=env).stdout)
+    ran, skipped = _ran_and_skipped(run([dvc, "repro", f"{QUICK}-evaluate"], repo, env=env).stdout)
     assert ran == set() and f"{QUICK}-evaluate" in skipped
 
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_dvc_repro_during_a_running_vpo_run_loses_nothing(main_job_repo: Path, tmp_path: Path) -> None:
+def test_dvc_repro_during_a_running_vpo_run_loses_nothing(main_job_repo: tuple[Path, str], tmp_path: Path) -> None:
     """`dvc repro` started while `vpo run` holds the run lock: the stage refuses at the lock (persisted
     outputs: DVC deleted nothing first), and the running job finishes with its outputs intact."""
     import subprocess
     import time
 
     repo = tmp_path / "repo"
-    shutil.copytree(main_job_repo, repo, symlinks=True)
+    shutil.copytree(main_job_repo[0], repo, symlinks=True)
     data_before = tree_digest(repo / "runs" / QUICK / "data")
     job = subprocess.Popen([sys.executable, "-m", "vpo.pipeline.cli", "run", "--quick", "--no-search", "--set",
                             "trainer.max_steps=5"], cwd=repo, env=tool_env(OMP_NUM_THREADS="1"),

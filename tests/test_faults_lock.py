@@ -27,11 +27,11 @@ with pipeline_lock(run_dir, "route-quick", arm=arm, command="holder-under-test")
     if fork:
         child = os.fork()
         if child == 0:
-            time.sleep(120)
+            time.sleep(900)
             os._exit(0)
         print("child", child, flush=True)
     print("locked", flush=True)
-    time.sleep(120)
+    time.sleep(900)  # killed by the test; long enough for three CLI starts on a busy machine
 """
 
 
@@ -175,3 +175,47 @@ def test_cli_run_and_stage_exit_3_while_locked(tmp_path: Path, holders: list[Hol
     # a refused run leaves only its own log file (runs/<variant>/logs/) beside the holder's lock
     assert sorted(p.name for p in run_dir.iterdir()) in ([".lock"], [".lock", "logs"]), "a refused run wrote there"
     assert all(p.suffix == ".log" for p in (run_dir / "logs").glob("*")), sorted((run_dir / "logs").glob("*"))
+
+
+PARENT = """
+import os, subprocess, sys
+from vpo.pipeline.locking import child_env, pipeline_lock
+run_dir = sys.argv[1]
+probe = ("import sys\\nfrom vpo.pipeline.locking import LockBusyError, pipeline_lock\\n"
+         "try:\\n    with pipeline_lock(sys.argv[1], 'route-quick', arm=sys.argv[2]): print('trained')\\n"
+         "except LockBusyError as e: print('refused:', e)")
+with pipeline_lock(run_dir, "route-quick", command="parent-under-test"):
+    for arm, env in (("vpo-s0", {**os.environ, **child_env(run_dir)}), ("grpo-s0", dict(os.environ))):
+        out = subprocess.run([sys.executable, "-c", probe, run_dir, arm], env=env, capture_output=True, text=True)
+        print(arm, out.stdout.strip(), out.stderr.strip()[-500:], flush=True)
+"""
+
+
+def test_a_whole_pipeline_run_lets_only_its_own_children_train_beside_it(tmp_path: Path) -> None:
+    """`vpo run` holds the run folder and starts the arm trainings itself: those (told so through the
+    environment, and really its children) train; any other arm training is refused, naming the run."""
+    out = subprocess.run([sys.executable, "-c", PARENT, str(tmp_path)], capture_output=True, text=True, timeout=120,
+                         check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+    assert lines["vpo-s0"].startswith("trained"), out.stdout
+    assert lines["grpo-s0"].startswith("refused: pipeline route-quick") and "parent-under-test" in lines["grpo-s0"]
+
+
+def test_the_parent_token_is_no_pass_for_anyone_else(tmp_path: Path, holders: list[Holder],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process that merely inherits (or copies) the parent's variable is not the parent's child: it
+    is refused like any other arm training while the run holds the folder."""
+    holders.append(Holder(tmp_path))
+    monkeypatch.setenv("VPO_RUN_LOCK", f"{tmp_path / '.lock'}:{holders[0].pid}")
+    with pytest.raises(LockBusyError, match="is already running"), pipeline_lock(tmp_path, "route-quick",
+                                                                                arm="vpo-s0"):
+        pass
+
+
+def test_a_refused_arm_training_creates_nothing(tmp_path: Path, holders: list[Holder]) -> None:
+    """Refused before it takes its own lock: the run folder holds the holder's lock file only."""
+    holders.append(Holder(tmp_path))
+    with pytest.raises(LockBusyError), pipeline_lock(tmp_path, "route-quick", arm="vpo-s0"):
+        pass
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock"]

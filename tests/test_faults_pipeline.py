@@ -87,8 +87,11 @@ def test_outputs_and_registry_are_consistent(race: Race) -> None:
     from vpo.pipeline.registry import Registry
 
     run = race.folder / "runs" / RUN_NAME
-    leftovers = [p for p in run.rglob(".*") if p.name not in (".lock",)]
+    # the run's lock and the arm locks of the trainings it ran side by side stay (empty: no holder)
+    leftovers = [p for p in run.rglob(".*") if p.name not in (".lock", ".locks")
+                 and not (p.parent.name == ".locks" and p.suffix == ".lock")]
     assert leftovers == [], leftovers
+    assert all(read_holder(p) is None for p in (run / ".locks").glob("*.lock"))
     for split in ("train", "test"):
         assert len(pd.read_parquet(run / "data" / f"{split}.parquet")) > 0
     metrics = json.loads((run / "eval" / "metrics.json").read_text())

@@ -270,6 +270,100 @@ def test_train_progress_file_is_polled_into_the_progress_artifact(
     )
 
 
+def test_training_runs_are_one_group_run_as_dvc_yaml_commands(tmp_path: Path) -> None:
+    """The plan's groups: the arm x seed runs together (side by side), every other stage alone; in
+    DVC mode a training run's command is the one dvc.yaml gives it (recorded with `dvc commit`)."""
+    plan = fplan.make_plan("route", True, REPO / "pipelines.yaml")
+    groups = [[s.label for s in g] for g in plan.groups()]
+    assert groups == [["data"], ["rewards"], ["base"],
+                      ["train@grpo-s0", "train@vpo-s0", "train@grpo_x3-s0", "train@max_at_k-s0"],
+                      ["evaluate"], ["search"]]
+    vpo = next(s for s in plan.steps if s.label == "train@vpo-s0")
+    assert vpo.variant_argv[:4] == ("stage", "train", "--variant", "route-quick")
+    assert vpo.variant_argv[-4:] == ("--arm", "vpo", "--seed", "0")
+    dvc_yaml = yaml.safe_load((REPO / "dvc.yaml").read_text())
+    assert dvc_yaml["stages"]["route-quick-train"]["do"]["cmd"].startswith("bin/vpo stage train --variant route-quick")
+    assert plan.max_parallel >= 1 and len(plan.slots) == plan.max_parallel and "training runs" in plan.parallel_note
+
+
+@pytest.mark.parametrize(("tail", "use_dvc", "outcome"), [
+    (["Stage 'route-quick-data' didn't change, skipping"], True, "up to date"),
+    (["[vpo] train@vpo-s0: up to date", '{"stage": "train"}'], False, "up to date"),
+    (["[vpo] train@grpo-s0: up to date"], False, "ran"),  # another stage's line says nothing about this one
+    (["[vpo] train@vpo-s0: not built yet; running", "[vpo] train@vpo-s0: done in 3 s"], False, "ran"),
+])
+def test_a_stage_that_did_not_need_to_run_says_up_to_date(tail: list[str], use_dvc: bool, outcome: str) -> None:
+    assert tasks.stage_outcome("train@vpo-s0" if not use_dvc else "data", tail, use_dvc) == outcome
+
+
+def test_progress_of_an_up_to_date_run_shows_its_last_training() -> None:
+    """An artifact at 100 % never says "waiting for the first step": an up-to-date run shows the steps
+    its last training logged."""
+    rows = [(2, 4, {"reward": 0.25}), (4, 4, {"reward": 0.5, "parse": 0.9})]
+    text = tasks.progress_markdown("route-quick: train@vpo-s0", rows, "up to date")
+    assert text.splitlines()[0] == "**route-quick: train@vpo-s0** up to date, step 4/4"
+    assert "| 4 | 0.500 |" in text and "waiting" not in text
+    assert tasks.progress_markdown("x", [], "up to date").splitlines()[0] == "**x** up to date"
+
+
+def test_work_pool_mode_needs_the_dvc_remote(tmp_path: Path) -> None:
+    """`arms_on` exchanges inputs and outputs through the DVC remote: without DVC stages and a remote
+    it is one clear permanent failure, before anything trains."""
+    other = tmp_path / "other.yaml"
+    shutil.copy(REPO / "pipelines.yaml", other)
+    plan = fplan.make_plan("route", True, other)
+    with pytest.raises(tasks.PermanentStageFailure, match="storage.dvc_remote"):
+        rt._train_on_pool(plan, plan.groups()[3], [], "train-arm/x", None, [])
+
+
+def test_dvc_lock_records_travel_between_checkouts(tmp_path: Path) -> None:
+    """A record written into another checkout's dvc.lock replaces that stage's record and keeps the
+    rest; a stage DVC never recorded is named."""
+    from flows.dvclock import merge_entries, read_entries
+
+    (tmp_path / "dvc.lock").write_text(yaml.safe_dump({"schema": "2.0", "stages": {
+        "a": {"cmd": "x", "outs": [{"path": "o", "md5": "1"}]}, "b": {"cmd": "y"}}}))
+    merge_entries(tmp_path, {"a": {"cmd": "x", "outs": [{"path": "o", "md5": "2"}]}, "c": {"cmd": "z"}})
+    got = read_entries(tmp_path, ["a", "b", "c"])
+    assert got["a"]["outs"][0]["md5"] == "2" and got["b"] == {"cmd": "y"} and got["c"] == {"cmd": "z"}
+    with pytest.raises(KeyError, match="records no stage d"):
+        read_entries(tmp_path, ["d"])
+
+
+_UP_TO_DATE_STAGE = """
+import sys
+print("[vpo] train@probe-s0: up to date", flush=True)
+"""
+
+
+@pytest.mark.integration
+def test_an_up_to_date_run_reports_up_to_date_with_its_numbers(prefect_api: str, tmp_path: Path) -> None:
+    """A training task whose stage is up to date: the task's outcome says so with the run's last
+    numbers, and its progress artifact shows the steps its last training logged, at 100 %."""
+    from prefect import flow
+    from prefect.artifacts import create_progress_artifact
+
+    progress_file = tmp_path / "progress.json"
+    progress_file.write_text(json.dumps({"step": 4, "max_steps": 4, "numbers": {"reward": 0.5, "parse": 0.75},
+                                         "rows": [[2, {"reward": 0.25}], [4, {"reward": 0.5, "parse": 0.75}]]}))
+    time.sleep(0.05)
+
+    @flow(name="up-to-date-probe")
+    def probe() -> dict[str, Any]:
+        artifact_id = create_progress_artifact(progress=0.0, key="probe-up-to-date-progress")
+        spec = tasks.ProgressSpec(str(artifact_id), progress_file=str(progress_file))
+        return tasks.run_stage("train@probe-s0", [sys.executable, "-c", _UP_TO_DATE_STAGE], str(tmp_path), False,
+                               "probe", spec)
+
+    state = probe(return_state=True)
+    assert state.is_completed()
+    result = state.result()
+    assert result["outcome"] == "up to date" and result["last numbers"] == "reward 0.500  parse 75%"
+    art = _artifacts(state.state_details.flow_run_id)["probe-up-to-date-progress"]
+    assert float(art.data) == 100.0
+    assert art.description.startswith("**train@probe-s0** up to date, step 4/4") and "| 2 | 0.250 |" in art.description
+
+
 # --------------------------------------------------------------------------- the whole flow, once
 
 
@@ -283,7 +377,7 @@ def test_flow_runs_every_stage_then_pushes_registers_publishes(quick_flow: FlowR
     runs = _task_runs(quick_flow.run_id)
     assert QUICK_LABELS <= set(runs)
     prefixes = {name.rsplit("-", 1)[0] for name in runs if name not in QUICK_LABELS}
-    assert prefixes == {"dvc-pull", "dvc-push", "register", "publish"}
+    assert prefixes == {"dvc-pull", "dvc-commit", "dvc-push", "register", "publish"}
     assert all(r.state_type.value == "COMPLETED" for r in runs.values())
     status = run(
         [

@@ -80,3 +80,28 @@ def test_no_import_cycles() -> None:
         if name not in state:
             cycle = visit(name)
             assert cycle is None, " -> ".join(cycle)
+
+
+def test_nothing_under_vpo_imports_flows_or_prefect() -> None:
+    """The pipeline layer included: `vpo flow|ui|serve` come from flows/cli.py through the
+    `vpo.commands` entry point group, so no module under vpo/ names flows or prefect in an import."""
+    bad = {name: sorted(i for i in _imports(path) if i.split(".")[0] in ("flows", "prefect"))
+           for name, path in _sources().items() if name.split(".")[0] == "vpo"}
+    assert {n: hits for n, hits in bad.items() if hits} == {}
+
+
+def test_the_prefect_commands_join_vpo_through_the_entry_point_group() -> None:
+    """The installed metadata registers flows.cli's commands under the group vpo/pipeline/cli.py reads
+    (a dynamic lookup, not an import), and they parse as the same `vpo flow|ui|serve` commands."""
+    from importlib.metadata import entry_points
+
+    from vpo.pipeline import cli
+
+    eps = {ep.name: ep.value for ep in entry_points(group=cli.COMMAND_GROUP)}
+    assert eps.get("prefect") == "flows.cli:register", eps
+    parser, handlers = cli._parser_and_handlers()
+    assert {"flow", "ui", "serve"} <= set(handlers)
+    args = parser.parse_args(["flow", "--quick", "--arms-on", "train-arm/x"])
+    assert args.cmd == "flow" and args.quick and args.arms_on == "train-arm/x"
+    assert parser.parse_args(["serve", "--cron", "0 1 * * *"]).cron == "0 1 * * *"
+    assert parser.parse_args(["ui", "--keep"]).keep is True

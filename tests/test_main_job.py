@@ -88,8 +88,11 @@ def test_console_is_one_line_per_stage_event_and_the_log_file_has_the_rest(quick
     logs = list((run / "logs").glob("*-run.log"))
     assert len(logs) == 1
     text = logs[0].read_text()
-    assert "train@vpo-s0 step 4: {" in text and '"vpo/frac_unparsed"' in text  # every training log record
     assert "[vpo] train@vpo-s0: done in" in text and table.splitlines()[0] in text
+    # every training log record: in the run's own log when it trained in its own process (side by side)
+    own = list((run / "logs").glob("*-stage-train-vpo-s0.log"))
+    record = own[0].read_text() if "training runs, 2 at once" in stdout else text
+    assert "train@vpo-s0 step 4: {" in record and '"vpo/frac_unparsed"' in record
 
 
 def test_search_spent_equal_budgets(quick_run: tuple[Path, str]) -> None:
@@ -125,6 +128,36 @@ def test_quick_preset_learns(quick_run: tuple[Path, str]) -> None:
         weights = load_file(str(run / "arms" / arm / "model" / "model.safetensors"))
         moved = max(float((weights[k] - base[k]).abs().max()) for k in base)
         assert moved > 0, f"{arm}: weights equal the base's"
+
+
+def test_weights_and_metrics_do_not_depend_on_running_side_by_side(quick_run: tuple[Path, str],
+                                                                   tmp_path: Path) -> None:
+    """The quick preset's training runs once more from the same data, rewards and base, the other way
+    round (one after another if they ran side by side, else two at once; one torch thread per run both
+    times): every arm's weights are byte-identical and so is the evaluation of every policy."""
+    import hashlib
+
+    run, stdout = quick_run
+    side_by_side = "4 training runs, 2 at once" in stdout
+    other = tmp_path / "other"
+    other.mkdir()
+    shutil.copy(ROOT / "pipelines.yaml", other / "pipelines.yaml")
+    for stage in ("data", "rewards", "base"):
+        shutil.copytree(run / stage, other / "runs" / "route-quick" / stage)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([str(VPO), "run", "--quick", "--no-search", "--config", "pipelines.yaml", "--set",
+                           f"execution.max_parallel={1 if side_by_side else 2}"],
+                          cwd=other, env=env, capture_output=True, text=True, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[vpo] base: up to date" in proc.stdout
+    assert ("4 training runs, 2 at once" in proc.stdout) is not side_by_side, proc.stdout[-3000:]
+    for arm in ("grpo-s0", "vpo-s0", "grpo_x3-s0", "max_at_k-s0"):
+        digests = {hashlib.sha256((root / "arms" / arm / "model" / "model.safetensors").read_bytes()).hexdigest()
+                   for root in (run, other / "runs" / "route-quick")}
+        assert len(digests) == 1, f"{arm}: weights differ between side-by-side and one-after-another training"
+    ours = json.loads((other / "runs" / "route-quick" / "eval" / "metrics.json").read_text())["runs"]
+    theirs = json.loads((run / "eval" / "metrics.json").read_text())["runs"]
+    assert ours == theirs
 
 
 def test_rerun_redoes_only_what_changed_and_says_why(quick_run: tuple[Path, str]) -> None:

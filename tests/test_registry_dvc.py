@@ -199,21 +199,22 @@ def test_after_vpo_run_dvc_finds_every_stage_up_to_date_and_models_version_once_
 
 def test_a_run_with_other_settings_than_params_yaml_leaves_dvc_lock_alone(tmp_path: Path) -> None:
     """`vpo run --set ...` must not record its outputs under params.yaml's settings; outside a DVC
-    project, or for a variant dvc.yaml does not declare, nothing is said at all."""
+    project, or for a variant dvc.yaml does not declare, nothing is recorded either, and each says why."""
     from tests.test_faults_support import write_pipelines
     from vpo.pipeline.config import load_pipeline
     from vpo.pipeline.dvcgen import main as dvc_main
-    from vpo.pipeline.dvcgen import record_run
+    from vpo.pipeline.dvcrecord import unmanaged_reason
 
     path = write_pipelines(tmp_path)
     assert dvc_main(["--config", str(path)]) == 0
     changed = load_pipeline("route", path, quick=True, overrides={"evaluation.n_samples": 6})
-    assert record_run(changed, ["data", "evaluate"]) is None  # no .dvc folder: not a DVC project
+    names = ["route-quick-data", "route-quick-evaluate"]
+    assert "is not a DVC repository" in unmanaged_reason(changed, names)
     (tmp_path / ".dvc").mkdir()
-    line = record_run(changed, ["data", "evaluate"])
-    assert line.startswith("dvc.lock not updated: this run's settings differ from params.yaml's route-quick")
+    assert "overridden with --set" in unmanaged_reason(changed, names)
+    assert unmanaged_reason(load_pipeline("route", path, quick=True), names) is None
+    assert "does not declare route-data" in unmanaged_reason(load_pipeline("route", path), ["route-data"])
     assert not (tmp_path / "dvc.lock").exists()
-    assert record_run(load_pipeline("route", path), ["data"]) is None  # route (full) is not declared
 
 
 @pytest.mark.slow

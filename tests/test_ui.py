@@ -13,8 +13,14 @@ import socket
 import subprocess
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+try:
+    from proc_watch import Descendants
+except ModuleNotFoundError:  # tests/ imported as a package
+    from tests.proc_watch import Descendants
 
 pytestmark = pytest.mark.integration
 
@@ -83,60 +89,163 @@ def test_local_server_serves_api_and_ui_and_a_flow_run_page(tmp_path: Path) -> N
     assert not _healthy(server.api_url), "the server is still answering after stop()"
 
 
-def _processes_with_env(key: str, value: str) -> list[str]:
-    """Live processes whose environment has ``key=value`` (pid and command line)."""
-    found = []
-    needle = f"{key}={value}".encode()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            if needle not in (proc / "environ").read_bytes().split(b"\0"):
-                continue
-            if (proc / "stat").read_text().split(") ", 1)[1].startswith("Z"):
-                continue  # a zombie has exited
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            found.append(f"{proc.name}: {cmdline[:200]}")
-        except OSError:
-            continue
-    return found
+def test_the_printed_stop_command_stops_a_kept_server_without_a_virtualenv(tmp_path: Path) -> None:
+    """`vpo ui --keep` leaves the server up and prints how to stop it: that command, run as printed
+    by a shell whose PATH has no virtualenv, stops it."""
+    from flows.server import LocalServer, _healthy, stop_command
+
+    server = LocalServer(tmp_path / "prefect-home", _free_port())
+    server.start()
+    proc = server.proc
+    try:
+        assert proc is not None
+        server.keep()
+        command = stop_command(server.home)
+        assert command.startswith(f"PREFECT_HOME={server.home} /") and command.endswith(" server stop")
+        done = subprocess.run(["sh", "-c", command], env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+                              capture_output=True, text=True, timeout=120, check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
+        proc.wait(timeout=60)
+        assert not _healthy(server.api_url)
+    finally:
+        server.stop()
+
+
+def _start(args: list[str], repo: Path, env: dict[str, str]) -> subprocess.Popen[str]:
+    import sys
+
+    return subprocess.Popen([sys.executable, "-m", "vpo.pipeline.cli", *args], cwd=repo, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _read_until(proc: subprocess.Popen[str], marker: str, timeout: float = 300) -> list[str]:
+    import time
+
+    assert proc.stdout is not None
+    seen = []
+    deadline = time.monotonic() + timeout
+    for line in proc.stdout:
+        seen.append(line)
+        if marker in line or time.monotonic() > deadline:
+            break
+    assert any(marker in line for line in seen), "".join(seen)[-3000:]
+    return seen
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    try:
+        from flows_fixtures import tool_env
+    except ModuleNotFoundError:
+        from tests.flows_fixtures import tool_env
+
+    env = tool_env(PREFECT_HOME=str(tmp_path / "prefect-home"), OMP_NUM_THREADS="1", **extra)
+    if "PREFECT_API_URL" not in extra:
+        env.pop("PREFECT_API_URL", None)  # the command starts (or Prefect starts) its own server
+    return env
+
+
+def _repo(tmp_path: Path) -> Path:
+    try:
+        from flows_fixtures import make_repo
+    except ModuleNotFoundError:
+        from tests.flows_fixtures import make_repo
+
+    return make_repo(tmp_path / "repo")
+
+
+def _sigterm_while_base_runs(tmp_path: Path, args: list[str], started: tuple[str, ...]) -> tuple[int, str, Any]:
+    """Run `vpo ARGS` in a fresh repository, SIGTERM it once the base stage runs and the processes
+    matching ``started`` are up; return its exit code, its output and the descendants it had."""
+    import signal
+
+    proc = _start(args, _repo(tmp_path), _env(tmp_path))
+    with Descendants(proc.pid) as watch:
+        seen = _read_until(proc, "[vpo] base:")  # the flow's log lines: the base stage is running
+        watch.snapshot()
+        assert all(watch.matching(text) for text in started), watch.seen
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=120)
+    return proc.returncode, "".join(seen) + rest, watch
 
 
 @pytest.mark.slow
 def test_sigterm_during_vpo_ui_leaves_no_server_or_stage_running(tmp_path: Path) -> None:
     """`vpo ui --quick` gets SIGTERM while the flow runs a stage: it exits (143) with one line, and no
     process it started -- the Prefect server, the stage's `dvc repro` and `vpo stage` -- is left."""
-    import signal
-    import sys
-    import time
-
-    try:
-        from flows_fixtures import make_repo, tool_env
-    except ModuleNotFoundError:
-        from tests.flows_fixtures import make_repo, tool_env
-
-    repo = make_repo(tmp_path / "repo")
-    home = tmp_path / "prefect-home"  # a unique value: every child process inherits it
-    port = _free_port()
-    env = tool_env(PREFECT_HOME=str(home), OMP_NUM_THREADS="1")
-    env.pop("PREFECT_API_URL", None)  # `vpo ui` talks to its own server
-    proc = subprocess.Popen([sys.executable, "-m", "vpo.pipeline.cli", "ui", "--quick", "--port", str(port)],
-                            cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert proc.stdout is not None
-    seen = []
-    deadline = time.monotonic() + 240
-    for line in proc.stdout:  # the flow's log lines: wait until the base stage is running
-        seen.append(line)
-        if "[vpo] base:" in line or time.monotonic() > deadline:
-            break
-    assert any("[vpo] base:" in line for line in seen), "".join(seen)[-3000:]
-    assert _processes_with_env("PREFECT_HOME", str(home)), "nothing running under the test's PREFECT_HOME"
-    proc.send_signal(signal.SIGTERM)
-    rest, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 143, rest[-3000:]
-    assert "[vpo] stopped by SIGTERM; the local Prefect server and the running stage were stopped" in rest
-    time.sleep(1)
-    assert _processes_with_env("PREFECT_HOME", str(home)) == []
     from flows.server import _healthy
 
+    port = _free_port()
+    code, out, watch = _sigterm_while_base_runs(tmp_path, ["ui", "--quick", "--port", str(port)],
+                                                ("server start", "stage base"))
+    assert code == 143, out[-3000:]
+    lines = [ln for ln in out.splitlines() if "stopped by SIGTERM" in ln]
+    assert len(lines) == 1 and lines[0].startswith(
+        "[vpo] stopped by SIGTERM; the local Prefect server and the running stage were stopped"), out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    assert watch.alive() == []
     assert not _healthy(f"http://127.0.0.1:{port}/api")
+
+
+@pytest.mark.slow
+def test_sigterm_during_vpo_flow_stops_the_stage_and_prefects_temporary_server(tmp_path: Path) -> None:
+    """`vpo flow --quick` without PREFECT_API_URL runs against a temporary server Prefect starts (a
+    uvicorn child); SIGTERM while a stage runs: exit 143, one line, no traceback, and neither the
+    stage's processes nor the temporary server outlive the command."""
+    code, out, watch = _sigterm_while_base_runs(tmp_path, ["flow", "--quick"], ("uvicorn", "stage base"))
+    assert code == 143, out[-3000:]
+    lines = [ln for ln in out.splitlines() if "stopped by SIGTERM" in ln]
+    assert len(lines) == 1 and lines[0].startswith("[vpo] stopped by SIGTERM; the running stages"), out[-3000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+    assert watch.alive() == []
+
+
+def test_vpo_serve_refuses_a_server_that_does_not_answer(tmp_path: Path) -> None:
+    """PREFECT_API_URL set but nothing listening: one error line saying what to do, exit 2, and no
+    deployment claimed to be served."""
+    repo = _repo(tmp_path)
+    api = f"http://127.0.0.1:{_free_port()}/api"
+    proc = _start(["serve", "--quick"], repo, _env(tmp_path, PREFECT_API_URL=api))
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 2, out[-3000:]
+    assert f"error: PREFECT_API_URL={api} does not answer" in out and "unset PREFECT_API_URL" in out
+    assert "serving" not in out and "Traceback" not in out
+
+
+@pytest.mark.slow
+def test_vpo_serve_starts_its_server_serves_one_run_at_a_time_and_stops_cleanly(tmp_path: Path) -> None:
+    """Without PREFECT_API_URL `vpo serve` starts a local server (no ephemeral one: it could not
+    schedule), serves the deployment with a concurrency limit of one (later runs queued, as
+    prefect.yaml's), and on SIGTERM pauses the schedule, stops the server and exits 143 with one line."""
+    import signal
+    import time
+
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.server import _healthy
+
+    repo, port = _repo(tmp_path), _free_port()
+    proc = _start(["serve", "--quick", "--port", str(port), "--cron", "0 4 * * *"], repo, _env(tmp_path))
+    api = f"http://127.0.0.1:{port}/api"
+    with Descendants(proc.pid) as watch:
+        seen = _read_until(proc, "[vpo] serving deployment retrain/nightly of route-quick")
+        assert f"UI at http://127.0.0.1:{port}" in seen[-1]
+        deadline, deployment = time.monotonic() + 120, None
+        with temporary_settings(updates={PREFECT_API_URL: api}), get_client(sync_client=True) as client:
+            while deployment is None or deployment.status is None or deployment.status.value != "READY":
+                assert time.monotonic() < deadline, (deployment, "".join(seen))
+                time.sleep(1)
+                try:
+                    deployment = client.read_deployment_by_name("retrain/nightly")
+                except Exception:  # noqa: BLE001 (not created yet)
+                    deployment = None
+        assert deployment.global_concurrency_limit is not None and deployment.global_concurrency_limit.limit == 1
+        assert deployment.concurrency_options.collision_strategy.value == "ENQUEUE"
+        assert [s.schedule.cron for s in deployment.schedules] == ["0 4 * * *"]
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=120)
+    out = "".join(seen) + rest
+    assert proc.returncode == 143, out[-3000:]
+    assert "[vpo] stopped by SIGTERM; the served deployment's runs and the local Prefect server were stopped" in rest
+    assert "Traceback" not in rest, rest[-3000:]
+    assert watch.alive() == [] and not _healthy(api)

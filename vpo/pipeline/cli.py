@@ -3,7 +3,7 @@
     vpo run [--pipeline P] [--quick] [--set K=V]    every stage in this process, final tables printed
     vpo stage NAME [--pipeline P] [--quick] [--arm A --seed S] [--force]
     vpo stage NAME --variant V [--params params.yaml]   the settings of a generated params.yaml (dvc.yaml)
-    vpo flow | ui | serve [--pipeline P] [--quick] [--set K=V]   the Prefect retrain flow
+    vpo flow | ui | serve [--pipeline P] [--quick] [--set K=V]   the Prefect retrain flow (flows/cli.py)
     vpo dvc [--check] [--add V] [--remove V]        regenerate (or check) dvc.yaml and params.yaml
     vpo registry list|show|best|fetch|promote|verify|migrate   registered models (DVC artifacts, GTO stages)
     vpo pipelines                                   the pipelines in pipelines.yaml
@@ -12,8 +12,13 @@
 A stage runs only when its output does not answer the current settings, code and inputs (it says
 why); ``--force`` runs it anyway. Exit codes: 0 done; 2 bad input (config, data, reward, checkpoint,
 full disk: one ``error:`` line naming the file/row/key and what to do -- a config file that is not
-UTF-8 or a disk full before the first stage included); 3 the run folder is locked by another run (see
-:mod:`vpo.pipeline.locking`); other codes are crashes.
+UTF-8 or a disk full before the first stage included); 3 the run folder is locked by another run (see :mod:`vpo.pipeline.locking`); 130 Ctrl-C, 143 SIGTERM (every process the command
+started is stopped first, one line says how to resume); other codes are crashes.
+
+Commands of other layers join through the ``vpo.commands`` entry point group: each entry is a
+function ``register(subparsers, add_common_options)`` that adds its sub-commands and returns a
+handler per command name. The Prefect commands (``flow``, ``ui``, ``serve``) come from
+:mod:`flows.cli` that way, so this module never imports Prefect or ``flows``.
 """
 
 from __future__ import annotations
@@ -23,10 +28,15 @@ import errno
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["main"]
+__all__ = ["COMMAND_GROUP", "add_common_options", "load_config", "main", "parse_overrides", "resume_hint"]
+
+COMMAND_GROUP = "vpo.commands"
+"""The entry point group through which other layers add ``vpo`` sub-commands."""
+
+Handler = Callable[[argparse.Namespace], int]
 
 _ENV_DEFAULTS = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -38,7 +48,8 @@ _ENV_DEFAULTS = {
 }
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def add_common_options(p: argparse.ArgumentParser) -> None:
+    """The options every pipeline command takes (pipeline, config, preset, overrides, variant)."""
     p.add_argument("--pipeline", "-p", default=None, help="pipeline name in pipelines.yaml (default: its `default`)")
     p.add_argument("--config", default="pipelines.yaml", help="path of pipelines.yaml")
     p.add_argument("--quick", action="store_true", help="apply the pipeline's `quick:` preset (tests, smoke runs)")
@@ -73,6 +84,11 @@ def _fail(message: str, code: int = 2) -> None:
     raise SystemExit(code)
 
 
+def load_config(args: argparse.Namespace) -> Any:
+    """The pipeline config the common options name; exit 2 with one ``error:`` line when it is bad."""
+    return _load(args)
+
+
 def _load(args: argparse.Namespace) -> Any:
     from pathlib import Path
 
@@ -90,13 +106,31 @@ def _load(args: argparse.Namespace) -> Any:
         _fail(str(exc))
 
 
+def _registered_commands(sub: Any) -> dict[str, Handler]:
+    """Sub-commands other installed layers add through the :data:`COMMAND_GROUP` entry points."""
+    from importlib.metadata import entry_points
+
+    handlers: dict[str, Handler] = {}
+    for ep in sorted(entry_points(group=COMMAND_GROUP), key=lambda e: e.name):
+        register = ep.load()
+        handlers.update(register(sub, add_common_options))
+    return handlers
+
+
 def _parser() -> argparse.ArgumentParser:
+    """The ``vpo`` argument parser (every command, those of other layers included)."""
+    return _parser_and_handlers()[0]
+
+
+def _parser_and_handlers() -> tuple[argparse.ArgumentParser, dict[str, Handler]]:
     from vpo.pipeline.graph import STAGES
 
+    handlers: dict[str, Handler] = {}
     ap = argparse.ArgumentParser(prog="vpo", description="Vector Policy Optimization pipeline")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p_run = sub.add_parser("run", help="run every stage of a pipeline in this process (the main job)")
-    _common(p_run)
+    p_run = sub.add_parser("run", help="run every stage of a pipeline (the main job); independent stages "
+                                       "run side by side (execution.max_parallel)")
+    add_common_options(p_run)
     p_run.add_argument("--no-search", action="store_true",
                        help="skip the search stage (it runs when the pipeline has an enabled `search:`)")
     p_run.add_argument("--force", action="store_true", help="run every stage even when its output is up to date")
@@ -105,21 +139,11 @@ def _parser() -> argparse.ArgumentParser:
                              formatter_class=argparse.RawDescriptionHelpFormatter,
                              description="Run one stage if its output is not up to date.\n\nstages:\n" + stage_help)
     p_stage.add_argument("name", choices=[s.name for s in STAGES], metavar="NAME", help="the stage (see above)")
-    _common(p_stage)
+    add_common_options(p_stage)
     p_stage.add_argument("--arm", default=None, help="train: only this arm")
     p_stage.add_argument("--seed", type=int, default=None, help="train: only this seed")
     p_stage.add_argument("--force", action="store_true", help="run even when the output is up to date")
-    for name, helptext in (("flow", "run the Prefect retrain flow"),
-                           ("ui", "start a local Prefect server and run the flow against it"),
-                           ("serve", "serve the retrain flow as a cron deployment")):
-        p = sub.add_parser(name, help=helptext)
-        _common(p)
-        if name == "serve":
-            p.add_argument("--cron", default="0 3 * * *", help="cron schedule (UTC)")
-            p.add_argument("--name", default="nightly", help="deployment name")
-        if name == "ui":
-            p.add_argument("--port", type=int, default=4200)
-            p.add_argument("--keep", action="store_true", help="keep the server running after the flow")
+    handlers.update(_registered_commands(sub))
     p_dvc = sub.add_parser("dvc", help="regenerate dvc.yaml and params.yaml from pipelines.yaml")
     p_dvc.add_argument("--config", default="pipelines.yaml")
     p_dvc.add_argument("--check", action="store_true", help="exit 1 when a generated file is stale")
@@ -132,7 +156,7 @@ def _parser() -> argparse.ArgumentParser:
     p_reg.add_argument("rest", nargs=argparse.REMAINDER)
     sub.add_parser("pipelines", help="list pipelines").add_argument("--config", default="pipelines.yaml")
     p_plan = sub.add_parser("plan", help="per-device memory and step time of each arm; exit 2 when one does not fit")
-    _common(p_plan)
+    add_common_options(p_plan)
     p_plan.add_argument("--device", default=None, help="plan for this card (h100-80gb, a100-80gb, l4, ...; "
                         "default: this machine's GPU, else its RAM)")
     p_plan.add_argument("--memory", type=float, default=None, metavar="GIB", help="device memory in GiB")
@@ -140,7 +164,7 @@ def _parser() -> argparse.ArgumentParser:
     p_plan.add_argument("--processes", type=int, default=None, help="world size (default: the accelerate config's)")
     p_plan.add_argument("--arm", default=None, help="only this arm")
     p_plan.add_argument("--json", action="store_true", help="print the plans as JSON")
-    return ap
+    return ap, handlers
 
 
 def _print_tables(cfg: Any, ran_search: bool) -> None:
@@ -170,11 +194,12 @@ def _log_path(args: argparse.Namespace, cfg: Any) -> Any:
     return RunLayout.of(cfg).log_file(command, time.strftime("%Y%m%d-%H%M%S"))
 
 
-def _resume_hint(argv: Sequence[str] | None) -> str:
-    import shlex
+def resume_hint(argv: Sequence[str] | None) -> str:
+    """``run `bin/vpo run --quick` again to resume (...)``: the command as it runs from here."""
+    from vpo.pipeline.console import command
 
     words = list(sys.argv[1:] if argv is None else argv)
-    return (f"run `vpo {shlex.join(words)}` again to resume (finished stages are kept, training resumes "
+    return (f"run `{command(*words)}` again to resume (finished stages are kept, training resumes "
             "from its last checkpoint)")
 
 
@@ -250,7 +275,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         registry, remote = _default_storage(argv[1:])
         return registry_main(argv[1:], default_registry=registry, default_remote=remote, prog="vpo registry")
-    args = _parser().parse_args(argv)
+    parser, handlers = _parser_and_handlers()
+    args = parser.parse_args(argv)
+    if args.cmd in handlers:
+        return handlers[args.cmd](args)
     if args.cmd == "pipelines":
         from vpo.pipeline.config import ConfigError, load_all
 
@@ -265,7 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return dvc_main(["--config", args.config, *(["--check"] if args.check else []),
                          *[a for v in args.add for a in ("--add", v)], *[a for v in args.remove for a in ("--remove", v)]])
-    cfg = _load(args)
+    cfg = load_config(args)
     if args.cmd == "plan":
         from vpo.pipeline.errors import StageError
         from vpo.pipeline.plan import main as plan_main
@@ -275,28 +303,28 @@ def main(argv: Sequence[str] | None = None) -> int:
                              processes=args.processes, arm=args.arm, as_json=args.json)
         except (StageError, ValueError) as exc:
             _fail(str(exc))
-    if args.cmd in ("run", "stage"):
-        from vpo.pipeline import console
-        from vpo.pipeline.errors import EXIT_INTERRUPTED
+    from vpo.pipeline import console
+    from vpo.pipeline.processes import describe, exit_code, stop_on_signals
 
-        try:
-            with console.session(_log_path(args, cfg), defer_tables=args.cmd == "run"):
-                try:
+    try:
+        with console.session(_log_path(args, cfg), defer_tables=args.cmd == "run"):
+            try:
+                with stop_on_signals():
                     code = _job(args, cfg)
-                except KeyboardInterrupt:
-                    console.interrupted(_resume_hint(argv))
-                    return EXIT_INTERRUPTED
-                if code == 0:
-                    _closing_line()
-                return code
-        except OSError as exc:  # the run folder's disk is full before a stage could say so (lock, log)
-            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-                raise
-            from vpo.pipeline.layout import RunLayout
+            except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM, SIGHUP: the stage processes were stopped
+                console.interrupted(resume_hint(argv), describe(exc))
+                return exit_code(exc)
+            if code == 0:
+                _closing_line()
+            return code
+    except OSError as exc:  # the run folder's disk is full before a stage could say so (lock, log)
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        from vpo.pipeline.layout import RunLayout
 
-            where = exc.filename or RunLayout.of(cfg).root
-            _fail(f"disk full at {where} ({exc.strerror or exc}); free space and run `vpo {' '.join(argv)}` again")
-    return _prefect(args, cfg)
+        where = exc.filename or RunLayout.of(cfg).root
+        _fail(f"disk full at {where} ({exc.strerror or exc}); free space and run `vpo {' '.join(argv)}` again")
+    return 2
 
 
 def _job(args: argparse.Namespace, cfg: Any) -> int:
@@ -304,6 +332,7 @@ def _job(args: argparse.Namespace, cfg: Any) -> int:
     from vpo.pipeline.errors import EXIT_BAD_INPUT, EXIT_LOCKED, StageError
     from vpo.pipeline.locking import LockBusyError
     from vpo.pipeline.registry.entries import RegistryError, StorageUnavailableError
+    from vpo.pipeline.runner import StageProcessFailed
     from vpo.pipeline.storage import redact
     from vpo.pipeline.validation import ValidationError
     from vpo.rewards import RewardError
@@ -312,20 +341,16 @@ def _job(args: argparse.Namespace, cfg: Any) -> int:
         if args.cmd == "run":
             from vpo.pipeline.runner import run_all
 
-            results = run_all(cfg, search=not args.no_search, force=args.force)
+            run_all(cfg, search=not args.no_search, force=args.force)
             _print_tables(cfg, ran_search=not args.no_search)
-            from vpo.pipeline.console import log
-            from vpo.pipeline.dvcgen import record_run
-
-            if line := record_run(cfg, list(results)):  # dvc.lock agrees with what vpo ran
-                log(line)
             return 0
         if args.cmd == "stage":
             return _stage(args, cfg)
     except LockBusyError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_LOCKED
-    except StorageUnavailableError as exc:  # an unreachable registry: one line, and a retry may help
+    except (StageProcessFailed, StorageUnavailableError) as exc:  # a run beside others crashed (its own output
+        # says why), or the registry is unreachable (a retry may help)
         print(f"error: {redact(str(exc))}", file=sys.stderr)
         return 1
     except (StageError, RewardError, RegistryError, ValidationError) as exc:
@@ -338,36 +363,6 @@ def _job(args: argparse.Namespace, cfg: Any) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return EXIT_BAD_INPUT
         raise
-    return 0
-
-
-def _prefect(args: argparse.Namespace, cfg: Any) -> int:
-    """``vpo flow | ui | serve``."""
-    from flows import retrain as flows
-    from flows.tasks import console_without_stage_tracebacks
-
-    overrides = parse_overrides(args.set)
-    if args.cmd == "flow":
-        with console_without_stage_tracebacks():
-            state = flows.retrain(pipeline=cfg.name, quick=cfg.quick, config=args.config, overrides=overrides,
-                                  return_state=True)
-        return 1 if state.is_failed() else 0
-    if args.cmd == "ui":
-        from flows.server import Terminated, run_with_local_server
-        from vpo.pipeline.errors import EXIT_INTERRUPTED
-
-        try:
-            with console_without_stage_tracebacks():
-                run_with_local_server(pipeline=cfg.name, quick=cfg.quick, config=args.config, port=args.port,
-                                      keep=args.keep, overrides=overrides)
-        except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM/SIGHUP (Terminated): the server is stopped
-            why = str(exc) if isinstance(exc, Terminated) else "interrupted"
-            print(f"[vpo] {why}; the local Prefect server and the running stage were stopped; "
-                  f"{_resume_hint(None)}", file=sys.stderr)
-            return 128 + exc.signum if isinstance(exc, Terminated) else EXIT_INTERRUPTED
-    elif args.cmd == "serve":
-        flows.serve(pipeline=cfg.name, quick=cfg.quick, config=args.config, cron=args.cron, name=args.name,
-                    overrides=overrides)
     return 0
 
 

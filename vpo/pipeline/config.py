@@ -62,6 +62,7 @@ __all__ = [
     "ConfigError",
     "DatasetConfig",
     "EvaluationConfig",
+    "ExecutionConfig",
     "GgufConfig",
     "LoraConfig",
     "ModelConfig",
@@ -542,6 +543,21 @@ class SearchConfig(_Strict):
     server_url: str | None = Field(default=None, description="OpenAI-compatible endpoint (vLLM) for openevolve")
 
 
+class ExecutionConfig(_Strict):
+    """How independent stages (the arm x seed training runs) share the machine; read by
+    :mod:`vpo.pipeline.execution`. Results never depend on these: each run's thread count is the same
+    whether it trains alone or beside others."""
+
+    max_parallel: PositiveInt | None = Field(
+        default=None, description="independent stages at once (None: derived from cores, GPUs and each run's "
+        "threads and devices; 1: one after another)"
+    )
+    threads_per_stage: PositiveInt | None = Field(
+        default=None, description="torch threads of each training run (None: OMP_NUM_THREADS if set, else the "
+        "cores divided among the runs that fit at once)"
+    )
+
+
 class PipelineConfig(_Strict):
     """One named pipeline of ``pipelines.yaml``."""
 
@@ -557,6 +573,7 @@ class PipelineConfig(_Strict):
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
     search: SearchConfig | None = None
+    execution: ExecutionConfig = Field(default_factory=ExecutionConfig)
 
     _source_file: Path | None = PrivateAttr(default=None)
     _quick: bool = PrivateAttr(default=False)

@@ -15,7 +15,9 @@ from __future__ import annotations
 import io
 import logging
 import os
+import shlex
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Iterator, Mapping
@@ -23,9 +25,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Self, TextIO
 
-__all__ = ["PLAIN_BAR_INTERVAL_S", "Bar", "current_stage", "detail", "format_numbers", "interrupted", "log",
-           "log_file", "progress", "quiet_libraries", "session", "stage_done", "stage_started", "table",
-           "warning_count"]
+__all__ = ["PLAIN_BAR_INTERVAL_S", "Bar", "command", "current_stage", "detail", "format_numbers", "interrupted",
+           "log", "log_file", "progress", "quiet_libraries", "relay", "session", "stage_done", "stage_started",
+           "table", "warning_count"]
 
 PREFIX = "[vpo]"
 PLAIN_BAR_INTERVAL_S = 10.0
@@ -49,6 +51,7 @@ class _State:
 
 
 _S = _State()
+_WRITE = threading.RLock()  # stage processes run side by side: their relayed lines never interleave mid-line
 
 
 def _out() -> TextIO:
@@ -56,15 +59,17 @@ def _out() -> TextIO:
 
 
 def _to_file(text: str) -> None:
-    if _S.file is not None:
-        _S.file.write(text if text.endswith("\n") else text + "\n")
-        _S.file.flush()
+    with _WRITE:
+        if _S.file is not None:
+            _S.file.write(text if text.endswith("\n") else text + "\n")
+            _S.file.flush()
 
 
 def _to_console(text: str) -> None:
-    out = _out()
-    out.write(text if text.endswith("\n") else text + "\n")
-    out.flush()
+    with _WRITE:
+        out = _out()
+        out.write(text if text.endswith("\n") else text + "\n")
+        out.flush()
 
 
 def log(msg: str) -> None:
@@ -92,12 +97,33 @@ def table(text: str) -> None:
         _to_console(text)
 
 
-def interrupted(how_to_resume: str) -> None:
-    """The one line a Ctrl-C prints (after ending a half-drawn bar)."""
+def interrupted(how_to_resume: str, why: str = "interrupted") -> None:
+    """The one line a Ctrl-C (or SIGTERM: ``why`` "stopped by SIGTERM") prints, after ending a
+    half-drawn bar."""
     if _S.bar_open:
         _to_console("")
     where = f" during {_S.stage}" if _S.stage else ""
-    log(f"interrupted{where}; {how_to_resume}")
+    log(f"{why}{where}; {how_to_resume}")
+
+
+def relay(line: str, *, console: bool) -> None:
+    """A line another process printed (a stage running beside others): into the log file, and onto
+    the console when ``console``."""
+    if console:
+        _to_console(line)
+    _to_file(line)
+
+
+def command(*words: str) -> str:
+    """A ``vpo`` command line that runs as printed from the current folder, with no virtualenv
+    activated: ``bin/vpo ...`` in a checkout of the project, else this installation's ``vpo`` script
+    (absolute path), else ``python -m vpo.pipeline.cli ...``."""
+    if Path("bin/vpo").is_file() and os.access("bin/vpo", os.X_OK):
+        head = "bin/vpo"
+    else:
+        script = Path(sys.executable).with_name("vpo")
+        head = shlex.quote(str(script)) if script.is_file() else f"{shlex.quote(sys.executable)} -m vpo.pipeline.cli"
+    return " ".join([head, *(shlex.quote(w) for w in words)])
 
 
 def stage_started(label: str, why: str, verb: str = "running") -> None:

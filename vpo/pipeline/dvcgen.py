@@ -50,7 +50,7 @@ from vpo.pipeline.layout import RunLayout, arm_runs
 from vpo.pipeline.state import CODE_ROOT
 
 __all__ = ["DEFAULT_VARIANTS", "LAUNCHER", "declared_variants", "dvc_yaml_text", "generate", "main",
-           "params_yaml_text", "record_run", "variants"]
+           "params_yaml_text", "variants"]
 
 DEFAULT_VARIANTS: tuple[str, ...] = ("route-quick",)
 """The variants a fresh ``dvc.yaml`` declares: the embedded default's quick preset, which ``make quick``,
@@ -260,44 +260,6 @@ def params_yaml_text(config: str | Path = DEFAULT_PATH, names: Sequence[str] | N
     data = {"generated_from": {v: settings_digest(e) for v, e in entries.items()}, **entries}
     return _PARAMS_HEADER + yaml.safe_dump(data, sort_keys=False, default_flow_style=False, width=10_000,
                                            allow_unicode=True)
-
-
-def record_run(cfg: PipelineConfig, labels: Sequence[str]) -> str | None:
-    """After ``vpo run`` of a variant ``dvc.yaml`` declares, record the steps it ran or found up to date
-    (``labels``: ``data``, ``train@vpo-s0``...) in ``dvc.lock`` with ``dvc commit``: the lock then holds
-    the very outputs vpo's own records describe, so ``dvc status`` and ``dvc repro`` agree that every
-    stage is up to date. Only when the run used ``params.yaml``'s settings for the variant (no
-    ``--set``, no ``dvc exp run -S`` edit pending): else dvc.lock would claim settings the outputs do
-    not have. Returns one line for the console (None outside a DVC project or an undeclared variant)."""
-    import subprocess
-
-    from vpo.pipeline.config import ConfigError, load_variant
-    from vpo.pipeline.storage import subprocess_env
-
-    root = cfg.base_dir
-    try:
-        body = yaml.safe_load((root / "dvc.yaml").read_text(encoding="utf-8")) or {}
-    except (OSError, yaml.YAMLError):
-        return None
-    declared = {f"{name}@{key}" if "foreach" in stage else name
-                for name, stage in (body.get("stages") or {}).items()
-                for key in ((stage.get("foreach") or {}) if "foreach" in stage else [None])}
-    wanted = [f"{cfg.variant}-{label}" for label in labels if f"{cfg.variant}-{label}" in declared]
-    if not wanted or not (root / ".dvc").is_dir():
-        return None
-    try:
-        same = load_variant(cfg.variant, root / PARAMS_FILE).settings() == cfg.settings()
-    except (ConfigError, OSError):
-        same = False
-    if not same:
-        return (f"dvc.lock not updated: this run's settings differ from {PARAMS_FILE}'s {cfg.variant} (--set, or "
-                f"an edited {PARAMS_FILE}), so `dvc repro` will re-run the stages whose settings differ")
-    proc = subprocess.run([sys.executable, "-m", "dvc", "commit", "--force", *wanted], cwd=root,
-                          env=subprocess_env(), capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        why = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
-        return f"dvc.lock not updated (`dvc commit` failed: {why}); run `dvc commit {' '.join(wanted)}`"
-    return f"dvc.lock records this run's {len(wanted)} stages: `dvc status` and `dvc repro` find them up to date"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,26 +1,27 @@
 """Run-folder locks: one writer per pipeline run folder at a time, failing fast with a clear message.
 
-``runs/<pipeline>[-quick]/.lock`` is locked with ``fcntl.flock``:
+Local locks are ``filelock.FileLock`` (an ``flock`` on Unix) on files in the run folder; Prefect global
+concurrency limits add the same exclusion across machines (:mod:`flows.locks`).
 
-* whole-pipeline work (``vpo run`` / :func:`vpo.pipeline.runner.run_all`, ``vpo stage NAME``) holds it
-  exclusively;
-* ``vpo stage train --arm A --seed S`` holds it shared plus ``.locks/A-sS.lock`` exclusively, so
-  different arms may train in parallel (separate processes) while no other stage runs, and the
-  same arm never trains twice at once.
+* whole-pipeline work (``vpo run`` / :func:`vpo.pipeline.runner.run_all`, ``vpo stage NAME``) holds
+  ``runs/<variant>/.lock`` and refuses while any arm run trains;
+* ``vpo stage train --arm A --seed S`` holds ``.locks/A-sS.lock`` and refuses while whole-pipeline
+  work holds ``.lock`` -- except the training runs a parallel ``vpo run`` starts itself (its children
+  are told through :data:`PARENT_ENV`), so different arms train side by side and the same arm never
+  trains twice at once.
 
-A second process asking for a held lock gets :class:`LockBusyError` at once (no waiting) whose
-message names the holder (pid, host, start time, command) read from the lock file. The kernel drops
-a flock when its holder dies, so a SIGKILLed run never leaves a stale lock: the next run takes it
-over and only the leftover holder record (dead pid) is overwritten. Forked children close their
-copy of the lock descriptor, so a child outliving a killed parent does not keep the lock either.
-Nested acquisitions of the same lock in one process are counted, not re-locked.
+A lock that is busy is waited for at most :data:`PATIENCE_S` (long enough for another process's
+momentary check, far shorter than any real holder), then :class:`LockBusyError` names the holder
+(pid, host, start time, command) from the record the holder wrote into the lock file. The kernel
+drops the lock when its holder dies, so a SIGKILLed run never leaves a stale lock: the next run takes
+it over and overwrites the dead holder's record. filelock closes a held lock's descriptor in forked
+children, so a child outliving a killed parent does not keep the lock either. Nested acquisitions of
+the same lock in one process are counted, not re-locked.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import json
 import os
 import re
@@ -33,10 +34,16 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-__all__ = ["LOCK_NAME", "LockBusyError", "LockHolder", "pipeline_lock", "read_holder"]
+from filelock import FileLock, Timeout
+
+__all__ = ["LOCK_NAME", "PARENT_ENV", "LockBusyError", "LockHolder", "arm_lock_path", "child_env", "pipeline_lock",
+           "read_holder", "shared_cache_lock"]
 
 LOCK_NAME = ".lock"
 ARM_LOCK_DIR = ".locks"
+PARENT_ENV = "VPO_RUN_LOCK"
+"""``<lock path>:<pid>``: set by a whole-pipeline run for the arm trainings it starts itself."""
+PATIENCE_S = 0.5
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
@@ -78,8 +85,7 @@ class LockHolder:
 
 @dataclass
 class _Held:
-    fd: int
-    exclusive: bool
+    lock: FileLock
     count: int
 
 
@@ -87,22 +93,18 @@ _HELD: dict[str, _Held] = {}
 _GUARD = threading.RLock()
 
 
-def _close_inherited() -> None:
-    """In a forked child: drop the copies of held lock descriptors (without unlocking the parent's)."""
-    for held in _HELD.values():
-        with contextlib.suppress(OSError):
-            os.close(held.fd)
+def _forget_in_child() -> None:
+    """A forked child holds none of its parent's locks (filelock closed their descriptors)."""
     _HELD.clear()
 
 
-os.register_at_fork(after_in_child=_close_inherited)
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def read_holder(path: str | os.PathLike[str]) -> LockHolder | None:
     """The holder record in lock file ``path`` (None if absent, empty or unreadable)."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
-        data = json.loads(text)
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
         return LockHolder(pid=int(data["pid"]), host=str(data["host"]), since=str(data["since"]),
                           command=str(data["command"]), pipeline=str(data["pipeline"]))
     except (OSError, ValueError, KeyError, TypeError):
@@ -125,39 +127,82 @@ def _record(pipeline: str, command: str | None) -> bytes:
     return (json.dumps(asdict(holder), sort_keys=True) + "\n").encode()
 
 
-def _try_lock(path: Path, exclusive: bool) -> int | None:
-    """Open ``path`` and flock it without waiting; the fd, or None when another process holds it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
-    except OSError as exc:
-        os.close(fd)
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            return None
-        raise
-    return fd
+def _writer(data: bytes) -> object:
+    def write(fd: int) -> None:  # filelock calls it with the locked descriptor, before acquire returns
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, data, 0)
+
+    return write
 
 
-def _write_record(fd: int, data: bytes) -> None:
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, data, 0)
+def _acquire(path: Path, record: bytes | None, patience_s: float = PATIENCE_S) -> bool:
+    """Take (or count) the lock at ``path``, writing ``record`` into it; False when another process
+    holds it for longer than ``patience_s``."""
+    key = str(path)
+    with _GUARD:
+        held = _HELD.get(key)
+        if held is not None:
+            held.count += 1
+            return True
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(path, timeout=patience_s, thread_local=False, poll_interval=0.02,
+                        on_acquired=_writer(record) if record is not None else None)  # type: ignore[arg-type]
+        try:
+            lock.acquire()
+        except Timeout:
+            return False
+        _HELD[key] = _Held(lock, 1)
+        return True
+
+
+def _release(path: Path, clear: bool = True) -> None:
+    key = str(path)
+    with _GUARD:
+        held = _HELD.get(key)
+        if held is None:
+            return
+        held.count -= 1
+        if held.count > 0:
+            return
+        del _HELD[key]
+        try:
+            if clear:  # a released lock keeps no holder record (we still hold it: the file is ours)
+                with contextlib.suppress(OSError):
+                    os.truncate(path, 0)
+        finally:
+            held.lock.release()
+
+
+def _free(path: Path, patience_s: float = PATIENCE_S) -> bool:
+    """Whether nobody else holds ``path`` (checked by taking and dropping it at once); a lock this
+    process holds counts as free."""
+    if str(path) in _HELD:
+        return True
+    if not path.exists():
+        return True
+    if not _acquire(path, None, patience_s):
+        return False
+    _release(path, clear=False)
+    return True
 
 
 def _busy_holders(run_dir: Path) -> list[LockHolder]:
     """Records of the arm trainings currently holding their arm locks."""
     out = []
     for arm_lock in sorted((run_dir / ARM_LOCK_DIR).glob("*.lock")):
-        fd = _try_lock(arm_lock, exclusive=True)
-        if fd is None:
+        if not _free(arm_lock, 0.0):
             holder = read_holder(arm_lock)
             if holder is not None:
                 out.append(holder)
-        else:
-            with contextlib.suppress(OSError):
-                fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
     return out
+
+
+def _busy_arm_lock(run_dir: Path) -> Path | None:
+    """The first arm lock another process holds (after :data:`PATIENCE_S` each)."""
+    for arm_lock in sorted((run_dir / ARM_LOCK_DIR).glob("*.lock")):
+        if not _free(arm_lock):
+            return arm_lock
+    return None
 
 
 def _settled_holder(path: Path, tries: int = 5, pause_s: float = 0.05) -> LockHolder | None:
@@ -185,72 +230,93 @@ def _busy_message(what: str, path: Path, holder: LockHolder | None, others: list
             f"find it with `fuser -v {path}` and stop it, then retry")
 
 
-def _acquire(path: Path, exclusive: bool, record: bytes | None) -> bool:
-    """Take (or count) the lock at ``path``; False when another process holds it."""
-    key = str(path)
-    with _GUARD:
-        held = _HELD.get(key)
-        if held is not None:
-            if exclusive and not held.exclusive:
-                raise RuntimeError(f"{path} is held shared by this process; cannot upgrade it to exclusive")
-            held.count += 1
-            return True
-        fd = _try_lock(path, exclusive)
-        if fd is None:
-            return False
-        if record is not None:
-            _write_record(fd, record)
-        _HELD[key] = _Held(fd, exclusive, 1)
-        return True
-
-
-def _release(path: Path, clear: bool) -> None:
-    key = str(path)
-    with _GUARD:
-        held = _HELD.get(key)
-        if held is None:
-            return
-        held.count -= 1
-        if held.count > 0:
-            return
-        del _HELD[key]
-        try:
-            if clear:
-                os.ftruncate(held.fd, 0)
-            fcntl.flock(held.fd, fcntl.LOCK_UN)
-        finally:
-            os.close(held.fd)
-
-
 def arm_lock_path(run_dir: str | os.PathLike[str], arm: str) -> Path:
     """Lock file of one arm run (``<run_dir>/.locks/<arm>.lock``)."""
     return Path(run_dir) / ARM_LOCK_DIR / f"{_SAFE.sub('_', arm)}.lock"
 
 
+def child_env(run_dir: str | os.PathLike[str]) -> dict[str, str]:
+    """The environment entry that lets an arm training this process starts run beside it while it
+    holds the run folder's lock."""
+    return {PARENT_ENV: f"{Path(run_dir).absolute() / LOCK_NAME}:{os.getpid()}"}
+
+
+def _parent_holds(main: Path) -> bool:
+    """Whether the process that started us holds ``main`` and said so (:func:`child_env`)."""
+    value = os.environ.get(PARENT_ENV, "")
+    path, _, pid = value.rpartition(":")
+    if not path or Path(path) != main.absolute() or not pid.isdigit():
+        return False
+    holder = read_holder(main)
+    return holder is not None and holder.pid == int(pid) == os.getppid() and holder.alive() is True
+
+
 @contextlib.contextmanager
 def pipeline_lock(run_dir: str | os.PathLike[str], pipeline: str, *, arm: str | None = None,
                   command: str | None = None) -> Iterator[Path]:
-    """Hold the run folder's lock for the block: exclusive, or (``arm`` given) shared plus the arm's
-    own exclusive lock. Raises :class:`LockBusyError` at once when another process is in the way."""
+    """Hold the run folder's lock for the block (``arm`` given: that arm run's lock, while no
+    whole-pipeline work runs). Raises :class:`LockBusyError` at once when another process is in the way."""
     run_dir = Path(run_dir)
     main = run_dir / LOCK_NAME
     record = _record(pipeline, command)
     what = f"pipeline {pipeline} (run folder {run_dir})"
-    exclusive = arm is None
-    if not _acquire(main, exclusive, record if exclusive else None):
-        holder = _settled_holder(main)
-        raise LockBusyError(_busy_message(what, main, holder, _busy_holders(run_dir)), main, holder)
-    arm_path = arm_lock_path(run_dir, arm) if arm is not None else None
+    if arm is None:
+        if not _acquire(main, record):
+            holder = _settled_holder(main)
+            raise LockBusyError(_busy_message(what, main, holder, _busy_holders(run_dir)), main, holder)
+        try:
+            busy = _busy_arm_lock(run_dir)
+            if busy is not None:
+                holder = _settled_holder(busy)
+                raise LockBusyError(_busy_message(what, busy, None, [holder] if holder else []), busy, holder)
+        except BaseException:
+            _release(main)
+            raise
+        try:
+            yield main
+        finally:
+            _release(main)
+        return
+    beside_parent = _parent_holds(main)
+
+    def check_main() -> None:
+        if not beside_parent and not _free(main):
+            holder = _settled_holder(main)
+            raise LockBusyError(_busy_message(what, main, holder, []), main, holder)
+
+    check_main()  # before creating anything in the run folder
+    arm_path = arm_lock_path(run_dir, arm)
+    if not _acquire(arm_path, record):
+        holder = _settled_holder(arm_path)
+        raise LockBusyError(_busy_message(f"arm {arm} of {what}", arm_path, holder, []), arm_path, holder)
     try:
-        if arm_path is not None and not _acquire(arm_path, True, record):
-            holder = _settled_holder(arm_path)
-            raise LockBusyError(_busy_message(f"arm {arm} of {what}", arm_path, holder, []), arm_path, holder)
+        check_main()  # whole-pipeline work that started in between saw no arm lock yet: we see it
     except BaseException:
-        _release(main, clear=False)
+        _release(arm_path)
         raise
     try:
         yield main
     finally:
-        if arm_path is not None:
-            _release(arm_path, clear=True)
-        _release(main, clear=exclusive)
+        _release(arm_path)
+
+
+@contextlib.contextmanager
+def shared_cache_lock(folder: str | os.PathLike[str], what: str) -> Iterator[None]:
+    """Hold the lock of a cache folder several stages share (the runs folder's model cache): one
+    process fills or reads it at a time; another one waits, saying so once (filling takes minutes,
+    reading a moment)."""
+    from vpo.pipeline.console import log
+
+    folder = Path(folder)
+    path = folder.parent / f".{folder.name}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(path, thread_local=False)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log(f"waiting for another stage that is preparing {what} ({folder})")
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()

@@ -3,29 +3,41 @@
 :func:`run_step` is what ``vpo stage`` does (and what ``dvc repro`` calls through it): it computes the
 step's fingerprint (settings, code, inputs), compares it with the record in its output, runs the
 stage only when they differ ("vpo-s0: trainer.learning_rate changed 0.0001 -> 0.0005; running"),
-then records the new output. :func:`run_all` is ``vpo run``: every step of the plan in order under
-the run folder's lock.
+then records the new output. :func:`run_all` is ``vpo run``: every step of the plan under the run
+folder's lock, in order, except that independent steps (the arm x seed training runs) run side by
+side, each as its own ``vpo stage train`` process with its own threads and GPUs
+(:mod:`vpo.pipeline.execution`, ``execution.max_parallel``). When DVC manages the variant, the
+steps are then recorded in ``dvc.lock`` (:mod:`vpo.pipeline.dvcrecord`), so ``dvc repro`` after
+``vpo run`` re-runs nothing.
 """
 
 from __future__ import annotations
 
 import errno
+import os
 import shutil
+import subprocess
+import sys
+import threading
 import time
+from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from vpo.atomic import remove_stale_temps, remove_temps_in
 from vpo.pipeline.config import RUN_INDEPENDENT_ARM_KEYS, PipelineConfig
-from vpo.pipeline.console import log, stage_done, stage_started
+from vpo.pipeline.console import log, relay, stage_done, stage_started
 from vpo.pipeline.context import StageContext
-from vpo.pipeline.errors import StageError
+from vpo.pipeline.errors import EXIT_BAD_INPUT, EXIT_LOCKED, StageError
+from vpo.pipeline.execution import ExecutionPlan, Slot, execution_plan, stage_threads, torch_threads
 from vpo.pipeline.graph import Step, plan, stage
 from vpo.pipeline.layout import RunLayout, arm_runs
 from vpo.pipeline.settings import check_hardware
 from vpo.pipeline.state import Fingerprint, code_hashes, content_digest, read_state, why_stale, write_state
 
-__all__ = ["fingerprint", "run_all", "run_step", "staleness"]
+__all__ = ["StageProcessFailed", "fingerprint", "independent_groups", "run_all", "run_side_by_side", "run_step",
+           "staleness"]
 
 
 def _dotted(data: Any, key: str) -> Any:
@@ -128,7 +140,11 @@ def run_step(cfg: PipelineConfig, step: Step, *, layout: RunLayout | None = None
     t0 = time.time()
     ctx = StageContext(cfg, layout, step.stage.name, step.run, fp, progress=progress)
     try:
-        summary = step.stage.run(ctx)
+        if step.stage.per_run:  # a run's thread count is the same alone or beside others: same weights
+            with torch_threads(stage_threads(cfg)):
+                summary = step.stage.run(ctx)
+        else:
+            summary = step.stage.run(ctx)
         if state_path is not None:
             _record(step, layout, fp, summary)
     except (OSError, RuntimeError) as exc:
@@ -142,15 +158,163 @@ def run_step(cfg: PipelineConfig, step: Step, *, layout: RunLayout | None = None
     return summary
 
 
+def independent_groups(steps: Sequence[Step]) -> list[list[Step]]:
+    """The plan cut into groups run one after another: consecutive per-run steps (the training runs,
+    which read the same inputs and write separate folders) form one group; every other step is a
+    group of its own."""
+    groups: list[list[Step]] = []
+    for step in steps:
+        if step.stage.per_run and groups and groups[-1][-1].stage.per_run:
+            groups[-1].append(step)
+        else:
+            groups.append([step])
+    return groups
+
+
+class StageProcessFailed(RuntimeError):
+    """A stage process run beside others crashed (not a bad-input or lock refusal); the message
+    holds its last output lines."""
+
+
+@dataclass
+class _Child:
+    step: Step
+    slot: Slot
+    proc: subprocess.Popen[bytes]
+    started: float
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=40))
+    errors: list[str] = field(default_factory=list)
+    reader: threading.Thread | None = None
+
+
+def _shown(line: str, label: str) -> bool:
+    """Whether a stage process's output line is a console line (stage events, its bar, its error);
+    none once this command is stopping (its own line says how to resume, not each stage's)."""
+    from vpo.pipeline.processes import stopping
+
+    if line.startswith("[vpo] full log: ") or stopping():
+        return False
+    return line.startswith(("[vpo] ", f"{label}: ", "error:", "warning:"))
+
+
+def _pump(child: _Child, label: str) -> None:
+    """Relay a stage process's output line by line: stage events to the console, everything to the
+    log file (``label | ...``)."""
+    assert child.proc.stdout is not None
+    for raw in iter(child.proc.stdout.readline, b""):
+        line = raw.decode("utf-8", "replace").rstrip("\n").split("\r")[-1].rstrip()
+        if not line or line.startswith('{"stage": '):  # `vpo stage`'s own JSON summary
+            continue
+        child.tail.append(line)
+        if line.startswith("error:"):
+            child.errors.append(line)
+            relay(f"[vpo] {label}: {line}", console=_shown(line, label))
+        elif _shown(line, label):
+            relay(line, console=True)
+        else:
+            relay(f"{label} | {line}", console=False)
+
+
+def _start_child(cfg: PipelineConfig, step: Step, slot: Slot, layout: RunLayout, force: bool) -> _Child:
+    from vpo.pipeline.locking import child_env
+    from vpo.pipeline.processes import track
+
+    assert step.run is not None
+    argv = [sys.executable, "-m", "vpo.pipeline.cli", "stage", step.stage.name, *cfg.cli_args(),
+            "--arm", step.run.arm.name, "--seed", str(step.run.seed), *(["--force"] if force else [])]
+    env = {**os.environ, **slot.env(), **child_env(layout.root), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env=env, start_new_session=True)
+    track(proc)
+    child = _Child(step, slot, proc, time.time())
+    child.reader = threading.Thread(target=_pump, args=(child, step.label), name=f"relay-{step.label}", daemon=True)
+    child.reader.start()
+    return child
+
+
+def _failure(children: list[_Child], layout: RunLayout) -> BaseException:
+    """One exception for the failed stage processes: a lock refusal, bad input, or a crash."""
+    from vpo.pipeline.locking import LOCK_NAME, LockBusyError
+
+    first = children[0]
+    rc = first.proc.returncode
+    others = (f" (and {len(children) - 1} more: {', '.join(c.step.label for c in children[1:])})"
+              if len(children) > 1 else "")
+    line = first.errors[-1].removeprefix("error:").strip() if first.errors else ""
+    if rc == EXIT_LOCKED and line:
+        return LockBusyError(f"{first.step.label}: {line}{others}", layout.root / LOCK_NAME, None)
+    if rc == EXIT_BAD_INPUT and line:
+        return StageError(f"{first.step.label}: {line}{others}")
+    tail = "\n".join(f"  {t}" for t in list(first.tail)[-15:])
+    return StageProcessFailed(f"{first.step.label} exited with {rc}{others}; its last output:\n{tail}")
+
+
+def run_side_by_side(cfg: PipelineConfig, steps: Sequence[Step], ex: ExecutionPlan, *, layout: RunLayout,
+                     force: bool = False, poll_s: float = 0.2) -> dict[str, Any]:
+    """Run independent per-run steps as ``vpo stage`` processes, at most ``ex.max_parallel`` at once,
+    each in a slot of its own (threads, GPUs). The caller holds the run folder's lock; the processes
+    train beside it. A failed step lets the running ones finish, starts no new one, then raises."""
+    from vpo.pipeline.processes import kill_group, untrack
+
+    log(f"{len(steps)} training runs, {ex.max_parallel} at once ({ex.reason}); per-run logs in "
+        f"{_shown_path(layout.logs)}/*-stage-train-*.log")
+    pending, free = list(steps), ex.slots()
+    running: list[_Child] = []
+    failed: list[_Child] = []
+    results: dict[str, Any] = {}
+    try:
+        while pending or running:
+            while pending and free and not failed:
+                running.append(_start_child(cfg, pending.pop(0), free.pop(0), layout, force))
+            for child in [c for c in running if c.proc.poll() is not None]:
+                running.remove(child)
+                if child.reader is not None:
+                    child.reader.join(timeout=30)
+                untrack(child.proc)
+                free.append(child.slot)
+                if child.proc.returncode != 0:
+                    failed.append(child)
+                    continue
+                state = read_state(layout.state_file(child.step.stage.name, child.step.rid))
+                results[child.step.label] = dict(state["summary"]) if state else {}
+            time.sleep(poll_s)
+    finally:
+        for child in running:  # interrupted (the signal handler stopped them already) or crashed here
+            kill_group(child.proc)
+            untrack(child.proc)
+    if failed:
+        raise _failure(failed, layout)
+    return results
+
+
+def _shown_path(path: Any) -> str:
+    try:
+        return os.path.relpath(path)
+    except ValueError:
+        return str(path)
+
+
 def run_all(cfg: PipelineConfig, stages: Sequence[str] | None = None, *, search: bool = True,
-            force: bool = False, progress: bool = True) -> dict[str, Any]:
-    """Run the plan's steps in order in this process (the main job), holding the run folder's lock
-    (:class:`vpo.pipeline.locking.LockBusyError` at once if another run holds it)."""
+            force: bool = False, progress: bool = True, record: bool = True) -> dict[str, Any]:
+    """Run the plan's steps (the main job) holding the run folder's lock
+    (:class:`vpo.pipeline.locking.LockBusyError` at once if another run holds it): in order, the
+    training runs side by side when ``execution.max_parallel`` allows; then, with ``record``, record
+    them in ``dvc.lock`` when DVC manages this variant."""
     from vpo.pipeline.locking import pipeline_lock
 
     layout = RunLayout.of(cfg)
-    results = {}
+    steps = plan(cfg, stages, search=search)
+    results: dict[str, Any] = {}
     with pipeline_lock(layout.root, cfg.variant):
-        for step in plan(cfg, stages, search=search):
-            results[step.label] = run_step(cfg, step, layout=layout, force=force, progress=progress)
+        for group in independent_groups(steps):
+            ex = execution_plan(cfg, len(group)) if len(group) > 1 else None
+            if ex is not None and ex.max_parallel > 1:
+                results.update(run_side_by_side(cfg, group, ex, layout=layout, force=force))
+                continue
+            for step in group:
+                results[step.label] = run_step(cfg, step, layout=layout, force=force, progress=progress)
+        if record:
+            from vpo.pipeline.dvcrecord import record_steps
+
+            record_steps(cfg, [s for s in steps if s.stage.in_dvc])
     return results

@@ -44,11 +44,14 @@ def _pretrained(ctx: StageContext, folder: Path) -> str:
 
         g = cfg.model.gguf
         path = cfg.resolve_path(g.path) if g.path else None
+        from vpo.pipeline.locking import shared_cache_lock
+
         name = f"{Path(g.file or str(path)).stem}-{cfg.model.dtype}"
-        cache = import_gguf(ctx.layout.model_cache(name), path, package=g.package, file=g.file, dtype=cfg.model.dtype,
-                            progress=False)
-        check_tokenizer(AutoTokenizer.from_pretrained(str(cache)), f"GGUF model {name!r}")
-        shutil.copytree(cache, folder, dirs_exist_ok=True)
+        with shared_cache_lock(ctx.layout.model_cache(name), f"the model cache {name}"):  # variants share it
+            cache = import_gguf(ctx.layout.model_cache(name), path, package=g.package, file=g.file,
+                                dtype=cfg.model.dtype, progress=False)
+            check_tokenizer(AutoTokenizer.from_pretrained(str(cache)), f"GGUF model {name!r}")
+            shutil.copytree(cache, folder, dirs_exist_ok=True)
         return f"gguf:{g.package + '/' if g.package else ''}{g.file or g.path}"
     src = cfg.model_source
     kw = {"revision": cfg.model.revision, "trust_remote_code": cfg.model.trust_remote_code}

@@ -1,0 +1,108 @@
+"""Time the main job with its training runs one after another and side by side, from fresh clones.
+
+    .venv/bin/python benchmarks/parallel_arms.py            # the main job (`make run`'s `vpo run`)
+    .venv/bin/python benchmarks/parallel_arms.py --quick    # the quick preset (`make quick`)
+
+For each mode it clones the repository's committed HEAD into a fresh folder (the checkout's ``.venv``
+linked in, so both modes use the same installation and neither pays for `make install`), then runs
+``bin/vpo run`` there and times it:
+
+* ``sequential``: ``--set execution.max_parallel=1``;
+* ``default``: the derived default (on a 2-core CPU machine with four arms: two at once).
+
+One after the other, never at the same time; run it on a quiet machine (other jobs on the cores
+make both numbers meaningless). Each training run uses the same number of torch threads in both
+modes (vpo/pipeline/execution.py), so their results must be identical: the script compares every
+arm's weights (sha256) and the evaluation metrics of every policy, and prints both evaluation tables,
+the two wall times and their ratio (the target is at most 0.65). ``--out FILE`` also writes them as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+MODES = {"sequential": ["--set", "execution.max_parallel=1"], "default": []}
+
+
+def _clone(dest: Path) -> None:
+    if dest.exists():
+        shutil.rmtree(dest)
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(dest)], check=True)
+    venv = ROOT / ".venv"
+    if not venv.is_dir():
+        raise SystemExit(f"{venv} is missing: run `make install` first")
+    (dest / ".venv").symlink_to(venv, target_is_directory=True)
+
+
+def _run(folder: Path, args: list[str], log: Path) -> float:
+    """``bin/vpo run ARGS`` in ``folder``; its wall time in seconds (output to ``log``)."""
+    t0 = time.perf_counter()
+    with open(log, "w") as out:
+        proc = subprocess.run(["bin/vpo", "run", *args], cwd=folder, stdout=out, stderr=subprocess.STDOUT,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"}, check=False)
+    seconds = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"`bin/vpo run {' '.join(args)}` failed in {folder} (exit {proc.returncode}); see {log}")
+    return seconds
+
+
+def _weights(run: Path) -> dict[str, str]:
+    return {p.parent.parent.name: hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted((run / "arms").glob("*/model/model.safetensors"))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="the quick preset (make quick) instead of the main job")
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/vpo-parallel-arms"), help="where the clones go")
+    ap.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
+    args = ap.parse_args(argv)
+    variant = "route-quick" if args.quick else "route"
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"variant": variant, "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+                               "git": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
+                                                     text=True, check=False).stdout.strip(), "modes": {}}
+    for mode, extra in MODES.items():
+        folder = args.workdir / mode
+        _clone(folder)
+        log = args.workdir / f"{mode}.log"
+        run_args = [*(["--quick"] if args.quick else []), *extra]
+        print(f"{mode}: bin/vpo run {' '.join(run_args)} in {folder} ...", flush=True)
+        seconds = _run(folder, run_args, log)
+        run = folder / "runs" / variant
+        at_once = next((ln.split("[vpo] ", 1)[1] for ln in log.read_text().splitlines() if "training runs, " in ln),
+                       "training runs one after another")
+        results["modes"][mode] = {"seconds": round(seconds, 1), "parallelism": at_once, "log": str(log),
+                                  "weights": _weights(run),
+                                  "metrics": json.loads((run / "eval" / "metrics.json").read_text())["runs"],
+                                  "table": (run / "eval" / "table.md").read_text()}
+        print(f"{mode}: {seconds:.1f} s ({at_once})", flush=True)
+    seq, par = results["modes"]["sequential"], results["modes"]["default"]
+    results["ratio"] = round(par["seconds"] / seq["seconds"], 3)
+    results["identical_weights"] = seq["weights"] == par["weights"]
+    results["identical_metrics"] = seq["metrics"] == par["metrics"]
+    for mode in MODES:
+        print(f"\n## {mode}: evaluation table\n\n{results['modes'][mode]['table']}")
+    print(f"sequential {seq['seconds']:.1f} s, default {par['seconds']:.1f} s: ratio {results['ratio']:.2f} "
+          f"(target <= 0.65); weights identical: {results['identical_weights']}; evaluation identical: "
+          f"{results['identical_metrics']}")
+    if args.out:
+        slim = {**results, "modes": {m: {k: v for k, v in r.items() if k != "metrics"}
+                                     for m, r in results["modes"].items()}}
+        args.out.write_text(json.dumps(slim, indent=2) + "\n")
+    return 0 if results["identical_weights"] and results["identical_metrics"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""The ``train-arm`` flow: one training run (arm x seed) as its own flow run, for a work pool.
+
+The ``retrain`` flow in work-pool mode (``arms_on``) starts one run of this flow per training run
+through ``run_deployment``; the pool's workers pick them up, so arms land on different machines. In
+the worker's checkout of the repository (the deployment's ``pull`` step sets the working directory,
+``prefect.yaml``) it::
+
+    checks its settings are the caller's (same pipelines.yaml: a settings digest)
+    -> writes the caller's dvc.lock records of the inputs (data, rewards, base), dvc pull them
+    -> trains (the stage command dvc.yaml gives it; a global concurrency limit keeps the same run
+       from training in two places)
+    -> dvc commit, dvc push its output
+    -> publishes its dvc.lock record, worker and times as a markdown artifact (JSON block),
+       which the caller reads back
+
+Nothing but the DVC remote and the Prefect API connects the machines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from datetime import UTC, datetime
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
+from prefect.runtime import flow_run as runtime_flow_run
+
+from flows.dvclock import merge_entries, read_entries
+from flows.locks import train_limit
+from flows.plan import make_plan
+from flows.tasks import (
+    PermanentStageFailure,
+    ProgressSpec,
+    arm_result_key,
+    dvc_commit,
+    dvc_pull,
+    dvc_push,
+    progress_markdown,
+    run_stage,
+    vpo_cmd,
+)
+from vpo.pipeline.layout import RunLayout
+from vpo.pipeline.names import run_id, variant_name
+from vpo.pipeline.storage import redact
+
+__all__ = ["train_arm"]
+
+
+def _flow_run_name() -> str:
+    p = runtime_flow_run.parameters or {}
+    variant = variant_name(str(p.get("pipeline", "route")), bool(p.get("quick", False)))
+    return f"train-{variant}-{run_id(str(p.get('arm')), int(p.get('seed', 0)))}-{datetime.now(UTC):%H%M%S}"
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+@flow(name="train-arm", flow_run_name=_flow_run_name, log_prints=True)
+def train_arm(
+    pipeline: str,
+    quick: bool,
+    arm: str,
+    seed: int,
+    inputs: dict[str, Any],
+    config: str = "pipelines.yaml",
+    settings_digest: str = "",
+) -> dict[str, Any]:
+    """Train run ``<arm>-s<seed>`` of a pipeline in this checkout from the inputs the caller recorded
+    (``inputs``: their dvc.lock records), push its output and report its dvc.lock record."""
+    from prefect.artifacts import create_progress_artifact
+
+    from flows.plan import artifact_slug
+
+    logger = get_run_logger()
+    started = _now()
+    plan = make_plan(pipeline, quick, config)
+    rid = run_id(arm, seed)
+    step = next((s for s in plan.steps if s.run_id == rid), None)
+    if step is None:
+        raise PermanentStageFailure(f"pipeline {plan.variant} in {plan.repo} has no enabled run {rid}")
+    if not (plan.use_dvc and plan.remote_url):
+        raise PermanentStageFailure(f"{plan.repo}: a work-pool training run needs the repository's DVC stages and "
+                                    "storage.dvc_remote (outputs travel through the DVC remote)")
+    if settings_digest and plan.settings_digest != settings_digest:
+        raise PermanentStageFailure(f"the settings of {plan.variant} in this worker's checkout ({plan.repo}) are "
+                                    "not the caller's: deploy the same revision of pipelines.yaml to every worker")
+    logger.info("train %s of %s in %s (inputs from %s)", rid, plan.variant, plan.repo, redact(plan.remote_url))
+    merge_entries(plan.repo, inputs)
+    dvc_pull(str(plan.repo), plan.remote_url, plan.remote_name, sorted(inputs), force=True)
+    layout = RunLayout(plan.run_dir, plan.variant)
+    artifact = create_progress_artifact(
+        progress=0.0, key=f"{artifact_slug(plan.variant)}-train-{artifact_slug(rid)}",
+        description=progress_markdown(f"{plan.variant}: train@{rid}", []))
+    spec = ProgressSpec(artifact_id=str(artifact), progress_file=str(layout.arm_progress(rid)))
+    result = run_stage.with_options(task_run_name=step.label)(
+        step.label, vpo_cmd(*step.variant_argv), str(plan.repo), False, plan.variant, spec, None,
+        train_limit(plan.variant, rid))
+    dvc_commit(str(plan.repo), [step.dvc_stage])
+    dvc_push(str(plan.repo), plan.remote_url, plan.remote_name, [step.dvc_stage])
+    report = {
+        **result,
+        "dvc_stage": step.dvc_stage,
+        "lock": read_entries(plan.repo, [step.dvc_stage])[step.dvc_stage],
+        "worker": {"host": socket.gethostname(), "pid": os.getpid(), "worker_pid": os.getppid(),
+                   "checkout": str(plan.repo)},
+        "started": started,
+        "ended": _now(),
+    }
+    create_markdown_artifact(
+        key=arm_result_key(plan.variant, rid),
+        markdown=redact(f"# {step.label} trained on {report['worker']['host']}\n\n"
+                        f"{result['outcome']} in {result['seconds']} s, output pushed to the DVC remote.\n\n"
+                        f"```json\n{json.dumps(report, indent=1, default=str)}\n```\n"),
+        description=f"{plan.variant}: {step.label}: dvc.lock record and worker",
+    )
+    return report
