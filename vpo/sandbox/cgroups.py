@@ -121,23 +121,20 @@ def _v2(root: str, mounts: list, own: dict[str, str]) -> Hierarchy | str:
     missing = [c for c in REQUIRED if c not in have]
     if missing:
         return f"cgroup v2 has no {'/'.join(missing)} controller"
-    # a group holding processes cannot hand controllers to children (v2's no-internal-process
-    # rule), the hierarchy's root excepted: the project's group goes beside this process's own
-    why = ""
-    for base in (here, os.path.dirname(here)) if here != point else (here,):
-        if not base.startswith(point):
-            break
-        try:
-            _enable(base)
-            group = os.path.join(base, PROJECT)
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(group)
-            _enable(group)
-            _set_weight("v2", group, _usable_cpus())
-            return Hierarchy("v2", {c: group for c in REQUIRED}, root)
-        except OSError as exc:
-            why = f"cgroup v2 at {base}: {exc.strerror or exc}"
-    return why or "cgroup v2: no group can be made"
+    # a group holding processes (this one holds this process) cannot hand controllers to
+    # children (v2's no-internal-process rule), the hierarchy's root excepted: the project's
+    # group goes beside this process's own, under the same parent and its limits
+    base = here if here == point else os.path.dirname(here)
+    try:
+        _enable(base)
+        group = os.path.join(base, PROJECT)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(group)
+        _enable(group)
+        _set_weight("v2", group, _usable_cpus())
+    except OSError as exc:
+        return f"cgroup v2 at {base}: {exc.strerror or exc}"
+    return Hierarchy("v2", {c: group for c in REQUIRED}, root)
 
 
 def _usable_cpus() -> int:
@@ -159,7 +156,11 @@ def _set_weight(version: str, group: str, tasks: int) -> None:
 
 
 def _enable(group: str) -> None:
-    have = set(_read(os.path.join(group, "cgroup.subtree_control")).split())
+    """Hand the memory, pids and cpu controllers to ``group``'s children (v2)."""
+    try:
+        have = set(_read(os.path.join(group, "cgroup.subtree_control")).split())
+    except FileNotFoundError:  # a scratch tree in tests; the kernel always has the file
+        have = set()
     todo = " ".join(f"+{c}" for c in REQUIRED if c not in have)
     if todo:
         _write(os.path.join(group, "cgroup.subtree_control"), todo)
