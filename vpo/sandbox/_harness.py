@@ -2,15 +2,16 @@
 
 This file runs as a script in a separate interpreter (``python -I -S -B _harness.py zygote FD``)
 and must stay standard-library only and self-contained: isolated mode puts neither this folder
-nor site-packages on ``sys.path``. The parent side (:mod:`vpo.sandbox.runner`) imports it only
-for the value codec.
+nor site-packages on ``sys.path`` (so it is one file). The parent side (:mod:`vpo.sandbox`)
+imports it only for the value codec and a few helpers.
 
 Process tree for one sandbox process::
 
-    zygote Z (long-lived, child subreaper; never holds candidate data)
+    zygote Z (long-lived, child subreaper; never holds candidate data; sits in its slot's
+      │       cgroup leaf, exempt from the OOM killer, so every sandbox it forks is born there)
       └─ C   pid 1 of a new pid namespace: reads its payload, unshares mount/ipc/uts(/net),
-             minimal root, unprivileged uid, fresh session keyring, rlimits, seccomp filter;
-             then serves requests from the parent
+             minimal root, the slot's unprivileged uid, fresh session keyring, rlimits, seccomp
+             filter; then serves requests from the parent
 
 As root, Z forks C directly into a new pid namespace (unshare(CLONE_NEWPID) for its next child,
 then setns back to its own). Otherwise an intermediate process H is forked, which creates the
@@ -21,13 +22,19 @@ memfd, command pipe); the payload (program, tests' settings) is read after the f
 candidate's data is ever in the memory a later sandbox is forked from. C answers one request at
 a time from its command pipe and writes one JSON line per event to its event pipe; the parent
 judges outputs itself, so nothing C says can turn a wrong answer into a pass, and expected
-outputs never enter the sandbox.
+outputs never enter the sandbox. A protection C cannot set up is reported in a ``fatal`` event
+and the candidate is not run, unless the parent's configuration accepts going without it.
+
+Each test has two alarms: the process's CPU time (``ITIMER_PROF``, all threads) and a wall-clock
+ceiling that does not count time spent waiting for a CPU; the parent enforces both again from
+outside (the cgroup's CPU time covers child processes too).
 
 C runs in one of two roles: ``candidate`` (the program under test: loads it, then runs the
-call / expr / stdio requests) or ``judge`` (a dataset's own test code, e.g. a HumanEval
-``check``: runs it step by step; every call of the candidate is a message to the parent, which
-forwards it to the candidate's sandbox and returns the plain value, so the candidate never sees
-the judge's code, frames or expected values).
+call / stdio requests, and ``get`` for the plain values an expression test reads) or ``judge``
+(a dataset's own test code, e.g. a HumanEval ``check``, run step by step, and ``expr`` tests:
+every call of the candidate is a message to the parent, which forwards it to the candidate's
+sandbox and returns the plain value, so the candidate never sees the judge's code, frames or
+expected values, and the judge computes only on plain data).
 """
 
 from __future__ import annotations

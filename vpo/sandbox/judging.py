@@ -84,6 +84,7 @@ class _JudgeUnavailable(_Stop):
 
 
 _STOPPED = {LATE: "killed at the wall-clock ceiling", OVER: "killed at the CPU time limit"}
+_AT_LIMIT = {*_STOPPED.values(), "time limit exceeded"}
 
 
 class JobRun:
@@ -183,7 +184,7 @@ class JobRun:
         """Charge the test that just ended: its sandboxes' CPU time and this thread's."""
         _, cpu0, par0 = self.mark
         charged = max(0.0, self._cpu_now() - cpu0) + max(0.0, time.thread_time() - par0)
-        if result.status is Status.TIMEOUT and result.cpu == 0.0:  # ran out of its limit: all of it is spent
+        if result.status is Status.TIMEOUT and result.detail in _AT_LIMIT:  # ran to its limit: all of it is spent
             charged = max(charged, self.test_limit)
         self.charged += charged
         if self.budget_left is not None:
