@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vpo.sandbox._harness import run_delay, structure_count
+from vpo.sandbox._harness import structure_count
 
 if TYPE_CHECKING:
     from vpo.sandbox.pool import Sandbox, _Zygote
@@ -152,9 +152,10 @@ class Proc:
             box._release(self.z)
             raise ZygoteDied(str(msg.get("error", msg)))
         self.pid: int = msg["pid"]
-        self.oom_base = self.z.leaf.oom_kills() if self.z.leaf is not None else 0
         self.last_cpu = 0.0
         self.last_delay = 0.0
+        self._sched_fd = -1  # /proc/<main pid>/schedstat, kept open while the sandbox runs
+        self._oom: bool | None = None
 
     # -- CPU time
     def _leaf_cpu(self) -> float | None:
@@ -191,10 +192,15 @@ class Proc:
         """Seconds the sandbox's main process spent waiting for a CPU so far (its last value once
         it is gone)."""
         if not (self.exited or self.done):
-            pid = self.main_pid()
-            delay = run_delay(f"/proc/{pid}/schedstat") if pid else None
-            if delay is not None:
-                self.last_delay = max(self.last_delay, delay)
+            try:
+                if self._sched_fd < 0:
+                    pid = self.main_pid()
+                    if pid is None:
+                        return self.last_delay
+                    self._sched_fd = os.open(f"/proc/{pid}/schedstat", os.O_RDONLY | os.O_CLOEXEC)
+                self.last_delay = max(self.last_delay, int(os.pread(self._sched_fd, 128, 0).split()[1]) / 1e9)
+            except (OSError, ValueError, IndexError):
+                pass
         return self.last_delay
 
     @property
@@ -203,17 +209,25 @@ class Proc:
         return self.box.config.cpus if self.z.leaf is not None else float(self.box.config.max_processes + 1)
 
     def oom_killed(self) -> bool:
-        return self.z.leaf is not None and self.z.leaf.oom_kills() > self.oom_base
+        """Whether the memory limit killed something of this sandbox (asked once it died: the
+        leaf's OOM kills since the last sandbox that ran there)."""
+        if self._oom is None:
+            leaf = self.z.leaf
+            self._oom = False
+            if leaf is not None:
+                kills = leaf.oom_kills()
+                self._oom, leaf.oom_seen = kills > leaf.oom_seen, max(kills, leaf.oom_seen)
+        return self._oom
 
     # -- pipes
     def _close_fds(self) -> None:
-        for fd in (self.ev_fd, self.cmd_fd):
+        for fd in (self.ev_fd, self.cmd_fd, getattr(self, "_sched_fd", -1)):
             if fd >= 0:
                 try:
                     os.close(fd)
                 except OSError:
                     pass
-        self.ev_fd = self.cmd_fd = -1
+        self.ev_fd = self.cmd_fd = self._sched_fd = -1
 
     def send(self, obj: Mapping[str, Any]) -> None:
         if self.cmd_fd < 0:
@@ -322,7 +336,8 @@ class Proc:
             log.warning("vpo.sandbox: fork server failed (%s); replacing it", exc)
             self.z.alive = False
             self.exit_code = None
-        self.cpu()  # the last reading, before the leaf serves another sandbox
+        self.cpu()  # the last readings, before the leaf serves another sandbox
+        self.run_delay()
         self.exited = True
 
     def kill(self) -> None:
@@ -340,6 +355,7 @@ class Proc:
         if self.done:
             return None
         self.cpu()
+        self.run_delay()
         self.done = True
         if self.cmd_fd >= 0:
             os.close(self.cmd_fd)
