@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from vpo.sandbox import CandidateResult, Job, SandboxConfig, Status, TestCase
 
-__all__ = ["CONFIG", "HONEST", "HOSTILE", "Hostile", "check_batch"]
+__all__ = ["CONFIG", "HONEST", "HOSTILE", "LEFTOVER", "Hostile", "check_batch", "forge"]
 
 # the limits of the batch: small memory, so the memory attacks are cheap to run
 CONFIG = SandboxConfig(test_timeout=1.0, load_timeout=2.0, grace=0.3, memory_mb=256, max_processes=4, workers=2)
@@ -29,6 +29,22 @@ def _job(code: str, *tests: TestCase, **kw: object) -> Job:
 
 def _t(*args: object, expected: object = TOKEN, **kw: object) -> TestCase:
     return TestCase.call(list(args), expected, **kw)
+
+
+def forge(data: str) -> str:
+    """A candidate that writes the bytes of Python expression ``data`` on every descriptor that
+    might be the result channel, then returns its argument."""
+    return textwrap.dedent(f"""
+        import os
+        def f(x):
+            data = {data}
+            for fd in range(3, 12):
+                try:
+                    os.write(fd, data)
+                except OSError:
+                    pass
+            return x
+    """)
 
 
 def _out(r: CandidateResult, i: int = 0) -> object:
@@ -110,17 +126,9 @@ _PYCACHE = "os.path.join(os.path.dirname(os.__file__), '__pycache__')"
 
 HOSTILE: list[Hostile] = [
     # --- the parent must not be stalled, and its time on a candidate is that candidate's
-    Hostile("parent_stall_forged_31mb", _job("""
-        import os
-        def f(x):
-            data = b'{"ev": "end", "i": 0, "st": "ok", "t": 0.0, "val": [' + b'1,' * (15 << 20) + b'1]}\\n'
-            for fd in range(3, 12):
-                try:
-                    os.write(fd, data)
-                except OSError:
-                    pass
-            return x
-        """, _t(0)), _status(Status.ERROR, detail="protocol violation")),
+    Hostile("parent_stall_forged_31mb",  # a result under the size cap that takes seconds to parse
+            _job(forge("""b'{"ev": "end", "i": 0, "st": "ok", "t": 0.0, "val": [' + b'1,' * (15 << 20) + b'1]}\\n'"""),
+                 _t(0)), _status(Status.ERROR, detail="protocol violation")),
     Hostile("oversized_value", _job("def f(x):\n    return list(range(2_000_000))\n", _t(0)),
             _status(Status.ERROR, detail="too large")),
     Hostile("slow_to_decode_budget", _job("def f(x):\n    return [[i] for i in range(300_000)]\n",
@@ -189,21 +197,35 @@ HOSTILE: list[Hostile] = [
             return held
         """, _t(0)), _held_at_most(MEMORY)),
     Hostile("memory_across_processes", _job("""
-        import os, time
+        import os, select, time
         def f(x):
-            kids = []
-            for _ in range(3):
+            kids, r, w = [], *os.pipe()
+            for _ in range(3):  # each under the per-process limit, together over the sandbox's
                 pid = os.fork()
                 if pid == 0:
                     block = bytearray(100 << 20)
                     for i in range(0, len(block), 4096):
                         block[i] = 1
+                    os.write(w, str(os.getpid()).encode() + b' ')
                     time.sleep(30)
                     os._exit(0)
                 kids.append(pid)
-            time.sleep(1.5)
-            alive = sum(1 for k in kids if os.waitpid(k, os.WNOHANG) == (0, 0))
-            return alive * (100 << 20)
+            def dead(k):
+                if k not in gone:
+                    try:
+                        if os.waitpid(k, os.WNOHANG) != (0, 0):
+                            gone.add(k)
+                    except ChildProcessError:
+                        gone.add(k)
+                return k in gone
+            done, gone, end = set(), set(), time.monotonic() + 2.0
+            while time.monotonic() < end and len(done | gone) < 3:
+                if select.select([r], [], [], 0.05)[0]:
+                    done |= {int(p) for p in os.read(r, 100).split()}
+                for k in kids:
+                    dead(k)
+            time.sleep(0.2)
+            return sum(1 for k in done if not dead(k)) * (100 << 20)  # memory proven touched and still held
         """, _t(0)), _held_at_most(MEMORY)),
     # --- nothing outlives its batch (checked for the whole batch: Sandbox.processes() is empty)
     Hostile("lingers_with_patched_exit", _job("""

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.sandbox_hostile import forge as forge_bytes
 from vpo.sandbox import Job, Sandbox, SandboxConfig, SandboxError, Status, TestCase
 from vpo.sandbox import judging as sandbox_judging
 
@@ -48,17 +49,7 @@ def t(*args: object, expected: object = TOKEN, **kw: object) -> TestCase:
 
 def forge(lines: str) -> str:
     """A candidate that writes ``lines`` on every descriptor that might be the result channel."""
-    return textwrap.dedent(f"""
-        import os
-        def f(x):
-            data = {lines!r}.encode()
-            for fd in range(3, 12):
-                try:
-                    os.write(fd, data)
-                except OSError:
-                    pass
-            return x
-    """)
+    return forge_bytes(f"{lines!r}.encode()")
 
 
 COLLIDE = "[k * ((1 << 61) - 1) for k in range({n})]"  # ints whose hashes are all 0
