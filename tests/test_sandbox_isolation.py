@@ -202,6 +202,28 @@ def test_two_instances_in_two_processes_get_disjoint_ids_and_groups() -> None:
         assert out[0]["cgroup"] != out[1]["cgroup"]
 
 
+def test_fork_servers_never_outnumber_their_slots() -> None:
+    """Each fork server has a slot (one uid, one cgroup leaf). While every fork server is in use
+    (or held by another thread that is only looking at it), a request waits for one to come
+    back instead of starting one more."""
+    import threading
+
+    with Sandbox(SandboxConfig(workers=1)) as box:
+        box.start()
+        held = [box._acquire() for _ in range(box._max_zygotes)]
+        assert len(box._zygotes) == box._max_zygotes == len(held)
+        got: list = []
+        waiter = threading.Thread(target=lambda: got.append(box._acquire()), daemon=True)
+        waiter.start()
+        waiter.join(0.5)
+        assert waiter.is_alive() and not got and len(box._zygotes) == box._max_zygotes
+        box._release(held[0])
+        waiter.join(10)
+        assert got == [held[0]]
+        for z in held[1:] + got:
+            box._release(z)
+
+
 def test_a_lease_is_free_again_when_its_holder_dies() -> None:
     if os.geteuid() != 0:
         pytest.skip("user ids are leased only as root")

@@ -194,3 +194,4 @@ def test_expr_tests_compute_on_plain_values_in_the_judge(sb: Sandbox) -> None:
     assert statuses(good) == ["pass"] * 4, good.tests
     assert statuses(bad) == ["fail", "fail", "fail", "pass"], bad.tests  # its SCALE is the plain 10
     assert bad.tests[0].output == "False"
+

@@ -268,6 +268,7 @@ class Sandbox:
         self._idle: queue.SimpleQueue[_Zygote] = queue.SimpleQueue()
         self._zygotes = self._res.zygotes
         self._free_slots = list(range(self._max_zygotes))
+        self._dirty: list[int] = []
         self._executor: ThreadPoolExecutor | None = None
         self._closed = False
         self._started = False
@@ -317,8 +318,15 @@ class Sandbox:
     def _new_zygote(self) -> _Zygote:
         cfg = self.config
         with self._lock:
+            dirty = list(self._dirty) if not self._free_slots else []
+        for slot in dirty:  # slots whose processes could not be killed before: try again
+            if self._res.cgroup is None or self._res.cgroup.drop(slot):
+                with self._lock:
+                    self._dirty.remove(slot)
+                    self._free_slots.append(slot)
+        with self._lock:
             if not self._free_slots:
-                raise SandboxError("no free fork-server slot")
+                raise SandboxError(f"no free fork-server slot: processes of slots {self._dirty} cannot be killed")
             slot = self._free_slots.pop(0)
         leaf = None
         slot_cfg: dict[str, Any] = {"uid": self._res.lease.first + slot if self._res.lease is not None else None,
@@ -344,45 +352,54 @@ class Sandbox:
         if self._res.cgroup is not None:
             clean = self._res.cgroup.drop(slot)
         with self._lock:
-            if clean:  # a slot whose processes could not be killed keeps its uid out of use
+            if clean:
                 self._free_slots.append(slot)
                 self._free_slots.sort()
+            else:  # a slot whose processes could not be killed keeps its uid out of use
+                self._dirty.append(slot)
 
     def _acquire(self) -> _Zygote:
         """An idle fork server: one whose last sandbox has ended; while all are still ending
-        one, a new one (up to ``2 * workers + 2``), else wait for the oldest."""
-        busy: list[_Zygote] = []
-        try:
-            while True:
-                try:
-                    z = self._idle.get_nowait()
-                except queue.Empty:
-                    break
-                if not z.alive or z.proc.poll() is not None:
-                    self._discard(z)
-                    continue
-                with z.lock:
-                    settled = z.pending is None or z.settle(block=False)
-                if settled and z.alive:
-                    return z
-                if z.pending is not None and z.alive:
-                    busy.append(z)
-                else:
-                    self._discard(z)
-            with self._lock:
-                room = len(self._zygotes) < self._max_zygotes
-            while busy and not room:
-                z = busy.pop(0)
-                with z.lock:
-                    ok = z.settle(block=True)
-                if ok:
-                    return z
-                self._discard(z)
+        one, a new one (up to ``2 * workers + 2``, one per slot), else the oldest once it has
+        ended; while every one is in use (another thread may be looking at them), wait."""
+        while True:
+            busy: list[_Zygote] = []
+            try:
+                while True:
+                    try:
+                        z = self._idle.get_nowait()
+                    except queue.Empty:
+                        break
+                    if not z.alive or z.proc.poll() is not None:
+                        self._discard(z)
+                        continue
+                    with z.lock:
+                        settled = z.pending is None or z.settle(block=False)
+                    if settled and z.alive:
+                        return z
+                    if z.pending is not None and z.alive:
+                        busy.append(z)
+                    else:
+                        self._discard(z)
                 with self._lock:
                     room = len(self._zygotes) < self._max_zygotes
-        finally:
-            for other in busy:
-                self._idle.put(other)
+                if room:
+                    break
+                if busy:
+                    z = busy.pop(0)
+                    with z.lock:
+                        ok = z.settle(block=True)
+                    if ok:
+                        return z
+                    self._discard(z)
+                    continue
+            finally:
+                for other in busy:
+                    self._idle.put(other)
+            try:
+                self._idle.put(self._idle.get(timeout=0.05))  # one came back: look again
+            except queue.Empty:
+                pass
         return self._new_zygote()
 
     def _release(self, z: _Zygote) -> None:
