@@ -489,9 +489,3 @@ def _remove_stale(hier: Hierarchy) -> None:
             if m and not _alive(int(m.group(1))):
                 _remove_tree(hier, os.path.join(base, name))
 
-
-def describe(hier: Hierarchy | None, why: str = "") -> dict[str, object]:
-    """The cgroup part of the protections report."""
-    if hier is None:
-        return {"version": None, "why": why}
-    return {"version": hier.version, "controllers": sorted(hier.dirs), "parent": hier.unique_dirs()}

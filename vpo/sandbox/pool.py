@@ -27,7 +27,6 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Self
 
@@ -542,7 +541,3 @@ def private_view_available(python: str | None = None) -> bool:
             _VIEW_PROBED[key] = False
     return _VIEW_PROBED[key]
 
-
-def with_overrides(config: SandboxConfig, **changes: Any) -> SandboxConfig:
-    """A copy of ``config`` with some fields changed."""
-    return replace(config, **changes)
