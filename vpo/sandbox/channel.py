@@ -20,17 +20,17 @@ import json
 import logging
 import os
 import select
+import socket
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from vpo.sandbox._harness import structure_count
+from vpo.sandbox.cgroups import Leaf
+from vpo.sandbox.config import SandboxConfig
 
-if TYPE_CHECKING:
-    from vpo.sandbox.pool import Sandbox, _Zygote
-
-__all__ = ["DEAD", "LATE", "OVER", "Clock", "Proc", "Violation", "ZygoteDied"]
+__all__ = ["DEAD", "LATE", "OVER", "Clock", "ForkServer", "Pool", "Proc", "Violation", "ZygoteDied"]
 
 log = logging.getLogger("vpo.sandbox")
 
@@ -38,6 +38,35 @@ DEAD = "dead"  # the process ended: no more events will come
 LATE = "late"  # the wall-clock ceiling passed
 OVER = "over"  # the CPU time limit passed
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+class ForkServer(Protocol):
+    """What a sandbox process needs of the fork server that started it (``pool._Zygote``)."""
+
+    leaf: Leaf | None
+    hello: dict[str, Any]
+    sock: socket.socket
+    alive: bool
+    pending: float | None
+    pending_killed: bool
+
+    def read_msg(self, timeout: float) -> dict[str, Any]: ...
+    def feed(self) -> None: ...
+    def has_msg(self) -> bool: ...
+    def start(self, fds: list[int]) -> None: ...
+    def kill_current(self) -> None: ...
+
+
+class Pool(Protocol):
+    """What a sandbox process needs of the pool (``pool.Sandbox``): its settings, the event
+    size cap, and fork servers to take and give back."""
+
+    config: SandboxConfig
+    _event_cap: int
+
+    def _acquire(self) -> ForkServer: ...
+    def _release(self, z: ForkServer) -> None: ...
+    def _discard(self, z: ForkServer) -> None: ...
 
 
 class Violation(Exception):
@@ -108,7 +137,7 @@ class Proc:
     non-blocking), exit status and CPU meter. The payload goes through a sealed memfd the fork
     server passes on without reading."""
 
-    def __init__(self, box: Sandbox, cfg: dict[str, Any]) -> None:
+    def __init__(self, box: Pool, cfg: dict[str, Any]) -> None:
         self.box = box
         self.cap = box._event_cap
         self.max_items = box.config.max_value_items + 64  # the event's own fields
@@ -121,7 +150,7 @@ class Proc:
         self.ev_fd = self.cmd_fd = -1
         self.done = False
         payload = json.dumps(cfg).encode()
-        self.z: _Zygote = box._acquire()
+        self.z: ForkServer = box._acquire()
         fds: list[int] = []
         try:
             mfd = os.memfd_create("vpo-payload", os.MFD_CLOEXEC)
@@ -344,7 +373,7 @@ class Proc:
         if not self.exited:
             self.z.kill_current()
 
-    def finish(self, kill: bool, discard: bool = False, wait: bool = False) -> _Zygote | None:
+    def finish(self, kill: bool, discard: bool = False, wait: bool = False) -> ForkServer | None:
         """End the process (EOF on its command pipe, or SIGKILL). Without ``wait`` the fork server
         goes back to the pool while the sandbox is still ending, marked ``pending`` with a short
         grace: it serves again only after its exit status arrived (:meth:`_Zygote.settle`), and

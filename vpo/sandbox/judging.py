@@ -22,10 +22,10 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from vpo.sandbox._harness import CodecError, decode_value, encode_value
-from vpo.sandbox.channel import DEAD, LATE, OVER, Clock, Proc, Violation, ZygoteDied
+from vpo.sandbox.channel import DEAD, LATE, OVER, Clock, ForkServer, Pool, Proc, Violation, ZygoteDied
 from vpo.sandbox.compare import judge_value, render_value, stdout_matches
 from vpo.sandbox.config import (
     CandidateResult,
@@ -37,9 +37,6 @@ from vpo.sandbox.config import (
     refusal,
     report_protections,
 )
-
-if TYPE_CHECKING:
-    from vpo.sandbox.pool import Sandbox, _Zygote
 
 __all__ = ["JobRun", "expr_names"]
 
@@ -63,6 +60,18 @@ def expr_names(expr: str) -> tuple[list[str], list[str]]:
     free = {n.id for n in loads if n.id not in bound and not hasattr(builtins, n.id)}
     fns = sorted(name for name in free if all(id(n) in called for n in loads if n.id == name))
     return fns, sorted(free - set(fns))
+
+
+class Host(Pool, Protocol):
+    """What judging needs of the sandbox (``pool.Sandbox``) beyond the pool: the paths to hide,
+    the weaker modes accepted, a candidate's wall-clock ceiling, where to report protections."""
+
+    _allow: list[str]
+    _hide_defaults: list[str]
+    _hide_required: list[str]
+    last_protections: dict[str, Any]
+
+    def _budget(self, job: Job) -> float: ...
 
 
 def _text(value: Any, limit: int = 500) -> str:
@@ -92,7 +101,7 @@ class JobRun:
     steps and ``expr`` tests in the judge sandbox (which calls the candidate through here).
     ``probing``: the sandbox's start-up check, where a refusal is an error, not a verdict."""
 
-    def __init__(self, box: Sandbox, job: Job, probing: bool = False) -> None:
+    def __init__(self, box: Host, job: Job, probing: bool = False) -> None:
         self.box = box
         self.job = job
         self.cfg = box.config
@@ -117,7 +126,7 @@ class JobRun:
         self.retired_delay = 0.0  # and the time they waited for a CPU
         self.delay0 = 0.0
         self.charged = 0.0
-        self.pending: list[_Zygote] = []  # fork servers whose sandbox is still ending (settled by the batch)
+        self.pending: list[ForkServer] = []  # fork servers whose sandbox is still ending (settled by the batch)
         self.test_limit = self.cfg.test_timeout
         self.metered_judge = False
         self.mark = (self.t0, 0.0, time.thread_time())
