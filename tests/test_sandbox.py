@@ -391,14 +391,14 @@ def test_protections_reported(sb: Sandbox) -> None:
 
 @linux_only
 def test_namespaces_off_warns_and_still_runs(caplog: pytest.LogCaptureFixture) -> None:
-    from vpo.sandbox import runner
+    from vpo.sandbox import config as sandbox_config
 
-    runner._warned.clear()
+    sandbox_config._warned.clear()
     with caplog.at_level(logging.WARNING, logger="vpo.sandbox"), Sandbox(SandboxConfig(namespaces="off", workers=1)) as box:
         res = box.run_one("print(int(input()) * 2)", [TestCase.stdio("21", "42")])
     assert res.all_passed
     assert res.protections["mode"] == "none" and not res.protections["netns"]
-    assert any("namespaces unavailable" in r.getMessage() for r in caplog.records)
+    assert any("WITHOUT Linux namespaces" in r.getMessage() for r in caplog.records)
 
 
 @linux_only

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.sandbox_hostile import forge as forge_bytes
 from vpo.sandbox import Job, Sandbox, SandboxConfig, SandboxError, Status, TestCase
-from vpo.sandbox import runner as sandbox_runner
+from vpo.sandbox import judging as sandbox_judging
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="the sandbox needs Linux")
 
@@ -48,17 +49,7 @@ def t(*args: object, expected: object = TOKEN, **kw: object) -> TestCase:
 
 def forge(lines: str) -> str:
     """A candidate that writes ``lines`` on every descriptor that might be the result channel."""
-    return textwrap.dedent(f"""
-        import os
-        def f(x):
-            data = {lines!r}.encode()
-            for fd in range(3, 12):
-                try:
-                    os.write(fd, data)
-                except OSError:
-                    pass
-            return x
-    """)
+    return forge_bytes(f"{lines!r}.encode()")
 
 
 COLLIDE = "[k * ((1 << 61) - 1) for k in range({n})]"  # ints whose hashes are all 0
@@ -401,9 +392,11 @@ def test_candidate_output_becomes_its_own_verdict(batch: dict) -> None:
         r = res(batch, name).tests[0]
         assert r.status is Status.ERROR and "hash" in r.detail, (name, r)
         assert r.runtime < 2.0
-    for name in ("deep_json_forged", "huge_number_fields_forged", "oversized_return"):
+    for name in ("deep_json_forged", "huge_number_fields_forged"):
         r = res(batch, name).tests
         assert all(x.status is Status.ERROR for x in r) and "protocol violation" in r[0].detail, (name, r)
+    big = res(batch, "oversized_return").tests[0]
+    assert big.status is Status.ERROR and "too large" in big.detail, big
     assert res(batch, "wrong_field_types_forged").tests[0].status is Status.ERROR
     assert res(batch, "deep_load_error_forged").tests[0].status is Status.ERROR
     deep = res(batch, "deep_value_to_the_judge_forged").tests[0]
@@ -489,14 +482,14 @@ def test_no_candidate_data_in_later_sandboxes() -> None:
 def test_a_fork_server_in_an_unknown_state_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
     """An internal failure while a candidate runs: that candidate's tests are errors, its fork
     server is killed (not reused while its sandbox may still run), and the next one is fine."""
-    original = sandbox_runner._JobRun._judge
+    original = sandbox_judging.JobRun._judge
 
     def judge(self, test, ev, wall):
         if test.expected == "BOOM":
             raise RuntimeError("injected judge failure")
         return original(self, test, ev, wall)
 
-    monkeypatch.setattr(sandbox_runner._JobRun, "_judge", judge)
+    monkeypatch.setattr(sandbox_judging.JobRun, "_judge", judge)
     with Sandbox(SandboxConfig(workers=1)) as box:
         box._max_zygotes = 1
         box.run([HONEST])

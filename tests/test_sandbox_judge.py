@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import textwrap
-import time
 
 import pytest
 
@@ -61,11 +60,14 @@ def test_check_steps_follow_the_test_code(sb: Sandbox) -> None:
     wrong_loop = "def decode(s):\n    if s == 'ba!':\n        return 'ab'\n    return s[:-1]\n"
     no_raise = "def decode(s):\n    return '' if s is None else s[:-1][::-1]\n"
     res = sb.run([_job(RIGHT), _job(wrong_loop), _job(no_raise), _job(RIGHT, translate=False)])
-    assert statuses(res[0]) == ["pass"] * 4, res[0].tests
-    assert statuses(res[1]) == ["pass", "fail", "pass", "pass"], res[1].tests  # only the loop has non-palindromes
+    # the last step catches the candidate's TypeError itself: a candidate exception during a step
+    # fails it whatever the test code does with it (else swallowing one could fake a pass)
+    assert statuses(res[0]) == ["pass", "pass", "pass", "error"], res[0].tests
+    assert "the candidate raised TypeError" in res[0].tests[3].detail
+    assert statuses(res[1]) == ["pass", "fail", "pass", "error"], res[1].tests  # only the loop has non-palindromes
     assert statuses(res[2]) == ["pass", "pass", "pass", "fail"], res[2].tests
     assert "expected a TypeError" in res[2].tests[3].detail
-    assert statuses(res[3]) == ["pass"] * 4  # every assert run as the dataset's own code
+    assert statuses(res[3]) == ["pass", "pass", "pass", "error"]  # every assert run as the dataset's own code
 
 
 def test_candidate_errors_timeouts_and_crashes_in_check_steps(sb: Sandbox) -> None:
@@ -83,9 +85,9 @@ def test_candidate_errors_timeouts_and_crashes_in_check_steps(sb: Sandbox) -> No
     res = sb.run([_job(hang), _job(crash), _job(raising)])
     h = res[0]
     assert statuses(h) == ["timeout", "pass", "pass", "timeout"], h.tests
-    assert h.rounds == 2 and "wall-clock" in h.tests[0].detail  # killed, then a fresh sandbox went on
+    assert h.rounds == 2 and "CPU time limit" in h.tests[0].detail  # killed, then a fresh sandbox went on
     c = res[1]
-    assert statuses(c) == ["pass", "pass", "error", "pass"], c.tests
+    assert statuses(c) == ["pass", "pass", "error", "error"], c.tests
     assert "died" in c.tests[2].detail
     r = res[2]
     assert statuses(r) == ["error"] * 4 and all("ValueError" in t.detail for t in r.tests), r.tests
@@ -114,7 +116,7 @@ def test_candidate_cannot_see_the_judge(sb: Sandbox) -> None:
             return s[:-1][::-1]
     """)
     res = sb.run([_job(snoop)])[0]
-    assert statuses(res) == ["pass"] * 4, res.tests  # nothing leaked: it behaved like RIGHT
+    assert statuses(res) == ["pass", "pass", "pass", "error"], res.tests  # nothing leaked: it behaved like RIGHT
 
 
 def test_prelude_is_per_job(sb: Sandbox) -> None:
@@ -134,12 +136,62 @@ def test_equality_modes(sb: Sandbox) -> None:
 
 
 def test_problem_timeout_is_one_budget_for_all_tests(sb: Sandbox) -> None:
+    """The budget is spent in CPU seconds charged to the candidate: a busy machine stretches
+    the wall clock, never the charge."""
     code = "def f(x):\n    while True:\n        pass\n"
     tests = tuple(TestCase.call([i], i) for i in range(6))
-    t0 = time.monotonic()
-    per_test, per_problem = sb.run([Job(code, tests, "f"), Job(code, tests, "f", problem_timeout=0.6)])
-    assert statuses(per_test) == ["timeout"] * 6 and statuses(per_problem) == ["timeout"] * 6
-    assert per_problem.wall < 0.6 + 2 * 0.3 + 1.0, per_problem.wall  # budget + grace + start-up
-    assert per_test.wall > 6 * 1.0
+    per_test, per_problem = sb.run([Job(code, tests[:3], "f"), Job(code, tests, "f", problem_timeout=0.6)])
+    assert statuses(per_test) == ["timeout"] * 3 and statuses(per_problem) == ["timeout"] * 6
+    assert 0.6 <= per_problem.cpu < 0.6 + 2 * 0.3 + 0.2, per_problem.cpu  # the budget, overrun by at most the grace
     assert "budget" in per_problem.tests[-1].detail
-    assert time.monotonic() - t0 < 20
+    assert sum(t.cpu > 0 for t in per_problem.tests) == 1  # then the rest are not run at all
+    assert per_test.cpu >= 3 * 1.0  # a limit per test: every test ran to its own limit
+
+
+def test_a_swallowed_candidate_exception_fails_the_step(sb: Sandbox) -> None:
+    """``all(map(...))`` stops at a StopIteration from the candidate and calls the rest true; so
+    does an ``except Exception`` in the test code. Both fail here; the honest answer passes."""
+    check = textwrap.dedent("""
+        def __vpo_steps__(candidate):
+            for body in (lambda: all(map(lambda x: candidate(x) == 2 * x, range(10))),
+                         lambda: [candidate(x) for x in range(3)]):
+                try:
+                    try:
+                        assert body()
+                    except Exception:
+                        pass
+                except BaseException as e:
+                    yield e
+                else:
+                    yield None
+    """)
+    tests = (TestCase.check(0, "all(map)"), TestCase.check(1, "except Exception"))
+    stop = "def f(x):\n    raise StopIteration\n"
+    honest = "def f(x):\n    return 2 * x\n"
+    bad, good = sb.run([Job(stop, tests, "f", check_code=check), Job(honest, tests, "f", check_code=check)])
+    assert statuses(bad) == ["error", "error"], bad.tests
+    assert all("the candidate raised StopIteration" in t.detail for t in bad.tests)
+    assert statuses(good) == ["pass", "pass"], good.tests
+
+
+def test_expr_tests_compute_on_plain_values_in_the_judge(sb: Sandbox) -> None:
+    """``add(2, 3) == 5`` is evaluated by the judge on the plain value add returned: an int
+    subclass whose ``__eq__`` is always true (or an object) cannot pass it; module-level values
+    the expression reads arrive as data."""
+    liar = textwrap.dedent("""
+        class Yes(int):
+            def __eq__(self, other):
+                return True
+            __hash__ = int.__hash__
+        SCALE = Yes(10)
+        def add(a, b):
+            return Yes(a - b)
+    """)
+    honest = "SCALE = 10\ndef add(a, b):\n    return a + b\n"
+    tests = (TestCase.expression("add(2, 3) == 5", True, cmp="is"), TestCase.expression("add(2, 3) * SCALE", 50),
+             TestCase.expression("[add(i, i) for i in range(3)]", [0, 2, 4]), TestCase.expression("SCALE == 10", True))
+    bad, good = sb.run([Job(liar, tests, "add", equality="exact"), Job(honest, tests, "add", equality="exact")])
+    assert statuses(good) == ["pass"] * 4, good.tests
+    assert statuses(bad) == ["fail", "fail", "fail", "pass"], bad.tests  # its SCALE is the plain 10
+    assert bad.tests[0].output == "False"
+

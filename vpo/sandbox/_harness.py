@@ -2,15 +2,16 @@
 
 This file runs as a script in a separate interpreter (``python -I -S -B _harness.py zygote FD``)
 and must stay standard-library only and self-contained: isolated mode puts neither this folder
-nor site-packages on ``sys.path``. The parent side (:mod:`vpo.sandbox.runner`) imports it only
-for the value codec.
+nor site-packages on ``sys.path`` (so it is one file). The parent side (:mod:`vpo.sandbox`)
+imports it only for the value codec and a few helpers.
 
 Process tree for one sandbox process::
 
-    zygote Z (long-lived, child subreaper; never holds candidate data)
+    zygote Z (long-lived, child subreaper; never holds candidate data; sits in its slot's
+      │       cgroup leaf, exempt from the OOM killer, so every sandbox it forks is born there)
       └─ C   pid 1 of a new pid namespace: reads its payload, unshares mount/ipc/uts(/net),
-             minimal root, unprivileged uid, fresh session keyring, rlimits, seccomp filter;
-             then serves requests from the parent
+             minimal root, the slot's unprivileged uid, fresh session keyring, rlimits, seccomp
+             filter; then serves requests from the parent
 
 As root, Z forks C directly into a new pid namespace (unshare(CLONE_NEWPID) for its next child,
 then setns back to its own). Otherwise an intermediate process H is forked, which creates the
@@ -21,13 +22,19 @@ memfd, command pipe); the payload (program, tests' settings) is read after the f
 candidate's data is ever in the memory a later sandbox is forked from. C answers one request at
 a time from its command pipe and writes one JSON line per event to its event pipe; the parent
 judges outputs itself, so nothing C says can turn a wrong answer into a pass, and expected
-outputs never enter the sandbox.
+outputs never enter the sandbox. A protection C cannot set up is reported in a ``fatal`` event
+and the candidate is not run, unless the parent's configuration accepts going without it.
+
+Each test has two alarms: the process's CPU time (``ITIMER_PROF``, all threads) and a wall-clock
+ceiling that does not count time spent waiting for a CPU; the parent enforces both again from
+outside (the cgroup's CPU time covers child processes too).
 
 C runs in one of two roles: ``candidate`` (the program under test: loads it, then runs the
-call / expr / stdio requests) or ``judge`` (a dataset's own test code, e.g. a HumanEval
-``check``: runs it step by step; every call of the candidate is a message to the parent, which
-forwards it to the candidate's sandbox and returns the plain value, so the candidate never sees
-the judge's code, frames or expected values).
+call / stdio requests, and ``get`` for the plain values an expression test reads) or ``judge``
+(a dataset's own test code, e.g. a HumanEval ``check``, run step by step, and ``expr`` tests:
+every call of the candidate is a message to the parent, which forwards it to the candidate's
+sandbox and returns the plain value, so the candidate never sees the judge's code, frames or
+expected values, and the judge computes only on plain data).
 """
 
 from __future__ import annotations
@@ -217,7 +224,8 @@ _SYSCALLS = {
         "unshare": 272, "perf_event_open": 298, "fanotify_init": 300, "name_to_handle_at": 303,
         "open_by_handle_at": 304, "clock_adjtime": 305, "setns": 308, "process_vm_readv": 310,
         "process_vm_writev": 311, "kcmp": 312, "finit_module": 313, "kexec_file_load": 320, "bpf": 321,
-        "userfaultfd": 323, "clone": 56, "socket": 41, "socketpair": 53,
+        "userfaultfd": 323, "clone": 56, "socket": 41, "socketpair": 53, "fcntl": 72, "flock": 73,
+        "inotify_init": 253, "inotify_add_watch": 254, "inotify_init1": 294, "fanotify_mark": 301,
     },
     "aarch64": {
         "ptrace": 117, "syslog": 116, "personality": 92, "vhangup": 58, "pivot_root": 41, "adjtimex": 171,
@@ -228,6 +236,7 @@ _SYSCALLS = {
         "fanotify_init": 262, "name_to_handle_at": 264, "open_by_handle_at": 265, "clock_adjtime": 266,
         "setns": 268, "process_vm_readv": 270, "process_vm_writev": 271, "kcmp": 272, "finit_module": 273,
         "kexec_file_load": 294, "bpf": 280, "userfaultfd": 282, "clone": 220, "socket": 198, "socketpair": 199,
+        "fcntl": 25, "flock": 32, "inotify_init1": 26, "inotify_add_watch": 27, "fanotify_mark": 263,
     },
 }
 _COMMON_SYSCALLS = {
@@ -358,7 +367,13 @@ SECCOMP_DENY = (
     "acct", "quotactl", "quotactl_fd", "syslog", "settimeofday", "clock_settime", "adjtimex", "clock_adjtime",
     "open_by_handle_at", "name_to_handle_at", "lookup_dcookie", "fanotify_init", "vhangup", "iopl", "ioperm",
     "uselib", "personality", "sethostname", "setdomainname",
+    # shared-file channels: a lock or a watch on a file every sandbox sees (a read-only system file,
+    # the standard library's __pycache__) would carry information from one sandbox to another
+    "flock", "inotify_init", "inotify_init1", "inotify_add_watch", "fanotify_mark",
 )
+# fcntl commands refused for the same reason: POSIX and open-file-description record locks (set and
+# query), leases, directory notifications; every other fcntl (F_GETFL, F_DUPFD...) is allowed
+FCNTL_DENY = (5, 6, 7, 36, 37, 38, 1024, 1025, 1026)  # F_GETLK F_SETLK F_SETLKW F_OFD_* F_SETLEASE F_GETLEASE F_NOTIFY
 AF_UNIX, AF_INET, AF_INET6, SOCK_STREAM = 1, 2, 10, 1
 _EPERM, _ENOSYS, _EAFNOSUPPORT = 1, 38, 97
 _RET_ALLOW, _RET_ERRNO, _RET_KILL_PROCESS = 0x7FFF0000, 0x00050000, 0x80000000
@@ -369,7 +384,9 @@ def seccomp_program(machine: str = MACHINE) -> list[tuple[int, int, int, int]]:
     """The filter as (code, jt, jf, k) instructions: other architectures' calling conventions
     (e.g. i386 ``int 0x80`` on x86_64) kill the process; the calls in ``SECCOMP_DENY`` fail
     with EPERM; ``clone`` with any namespace flag and ``clone3`` (its flags live in memory the
-    filter cannot read; libc falls back to ``clone``) are refused; sockets only for AF_INET and
+    filter cannot read; libc falls back to ``clone``) are refused; file locks, leases and
+    notifications (``flock``, the lock/lease/notify ``fcntl`` commands of ``FCNTL_DENY``,
+    inotify, fanotify) are refused; sockets only for AF_INET and
     AF_INET6 (no Unix, netlink, vsock... sockets: no host socket can be reached by path or
     abstract name); ``socketpair`` only as connected AF_UNIX streams (a datagram pair could be
     re-connected to a host socket). Everything else is allowed."""
@@ -399,6 +416,12 @@ def seccomp_program(machine: str = MACHINE) -> list[tuple[int, int, int, int]]:
     emit(_JEQ, nr["clone"], jt="clone")
     emit(_JEQ, nr["socket"], jt="socket")
     emit(_JEQ, nr["socketpair"], jt="socketpair")
+    emit(_JEQ, nr["fcntl"], jt="fcntl")
+    emit(_RET, _RET_ALLOW)
+    label("fcntl")
+    emit(_LD_W_ABS, 24)  # args[1]: the command
+    for cmd in FCNTL_DENY:
+        emit(_JEQ, cmd, jt="deny")
     emit(_RET, _RET_ALLOW)
     label("clone")
     emit(_LD_W_ABS, 16)  # args[0] (low 32 bits): clone flags
@@ -514,6 +537,7 @@ def _interpreter_paths() -> dict:
 
 
 INTERP: dict = {}
+SLOT: dict = {}  # this fork server's slot: the uid of its sandboxes and the cgroup leaf they join
 NETNS = ["sandbox"]  # "zygote" when this fork server already is in its own empty network namespace
 WORKDIR = [""]  # the work directory of a sandbox without a mount namespace (made and removed by the zygote)
 
@@ -661,12 +685,35 @@ def _direct_pid_namespaces() -> int | None:
         return None
 
 
-def zygote_main(sock_fd: int, namespaces: str = "auto") -> None:
+def _join_cgroup() -> dict:
+    """Move this fork server into its slot's cgroup leaf, once: every sandbox it forks is born
+    there (no per-sandbox migration, which costs the kernel milliseconds), and the fork server
+    itself is exempt from the leaf's OOM killer. Returns the report: the leaf and its limits, or
+    why there is none."""
+    cg = SLOT.get("cgroup")
+    if not cg:
+        return {"version": None, "why": SLOT.get("cgroup_why") or "disabled by config"}
+    try:
+        for path in cg["procs"]:
+            with open(path, "w") as fh:
+                fh.write("0")
+    except OSError as exc:
+        return {"version": None, "why": f"cannot join {path}: {exc.strerror or exc}"}
+    try:
+        with open("/proc/self/oom_score_adj", "w") as fh:
+            fh.write("-1000")
+    except OSError:  # not root: the fork server may be chosen by the OOM killer; it is then replaced
+        pass
+    return {k: v for k, v in cg.items() if k != "procs"}
+
+
+def zygote_main(sock_fd: int, namespaces: str = "auto", slot: dict | None = None) -> None:
     """Serve RUN requests forever: fork one sandbox per request, report its pid and exit status.
     A request carries no payload, only descriptors, so this process never holds candidate data.
     As root, the sandbox is forked directly as pid 1 of a new pid namespace (this process then
     returns to its own); otherwise an intermediate process creates the namespaces."""
     sock = socket.socket(fileno=sock_fd)
+    SLOT.update(slot or {})
     set_name("vpo-zygote")
     for name in PRELOAD:
         __import__(name)
@@ -690,7 +737,9 @@ def zygote_main(sock_fd: int, namespaces: str = "auto") -> None:
             pass
     own_pidns = _direct_pid_namespaces() if namespaces != "off" else None
     _warm_up()
+    SLOT["joined"] = _join_cgroup()  # after the warm-up: the fork server's own heap stays charged where it was
     _send_line(sock, {"hello": 1, "pid": os.getpid(), "euid": os.geteuid(), "interp": INTERP, "netns": NETNS[0],
+                      "cgroup": SLOT["joined"],
                       "direct": own_pidns is not None,
                       "subreaper": subreaper, "python": sys.version.split()[0], "machine": MACHINE})
     zpid = os.getpid()
@@ -803,11 +852,21 @@ def _take_payload(fds: list[int]) -> dict:
     return json.loads(payload)
 
 
+def _oom_killable() -> None:
+    """Undo the fork server's exemption from the OOM killer for this sandbox process."""
+    try:
+        with open("/proc/self/oom_score_adj", "w") as fh:
+            fh.write("0")
+    except OSError:
+        pass
+
+
 def direct_main(fds: list[int]) -> int:
     """Runs in C forked by the zygote (as root) as pid 1 of a new pid namespace: the remaining
     namespaces, then :func:`child_main`. Returns C's exit code."""
     t_fork = time.time()
     os.setsid()
+    _oom_killable()
     try:
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
@@ -832,6 +891,7 @@ def sandbox_main(fds: list[int], zpid: int) -> int:
     t_fork = time.time()
     set_name("vpo-sbx-init")
     os.setsid()
+    _oom_killable()
     try:
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
@@ -889,17 +949,62 @@ def sandbox_main(fds: list[int], zpid: int) -> int:
 
 _os_write = os.write
 _os_read = os.read
+_os_exit = os._exit
 _json_dumps = json.dumps
 _json_loads = json.loads
 _perf = time.perf_counter
+_cpu = time.process_time
 
 
-def _send(obj: dict) -> None:
-    data = _json_dumps(obj, ensure_ascii=True).encode() + b"\n"
+def _send(obj: dict, raw: str = "") -> None:
+    """One event line; ``raw`` is further JSON members written as they are (already encoded)."""
+    text = _json_dumps(obj, ensure_ascii=True)
+    if raw:
+        text = text[:-1] + ", " + raw + "}"
+    data = text.encode() + b"\n"
     view = memoryview(data)
     while view:
         n = _os_write(3, view)
         view = view[n:]
+
+
+def structure_count(wire: str | bytes) -> int:
+    """An upper bound on the number of JSON values in a message, as the parent counts it
+    before parsing (each value but the first of a container follows a comma)."""
+    if isinstance(wire, str):
+        return wire.count("[") + wire.count("{") + wire.count(",")
+    return wire.count(b"[") + wire.count(b"{") + wire.count(b",")
+
+
+def _plain_string(text: str) -> str:
+    """A JSON string whose brackets and commas are escaped, so a program's output never counts
+    as structure (:func:`structure_count`)."""
+    return _json_dumps(text, ensure_ascii=True).replace(",", "\\u002c").replace("[", "\\u005b").replace("{", "\\u007b")
+
+
+_CEILING = [0.0, 0.0, 0.0]  # when the alarms were armed, the run delay then, the wall-clock ceiling
+
+
+def run_delay(path: str = "/proc/self/schedstat") -> float | None:
+    """Seconds the process's main thread spent runnable but waiting for a CPU (schedstat)."""
+    try:
+        with open(path, "rb") as fh:
+            return int(fh.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _arm(cpu: float, wall: float) -> None:
+    """The per-test alarms: CPU time of this process (all its threads), and the wall-clock
+    ceiling, which does not count time spent waiting for a CPU (a busy machine's doing)."""
+    _CEILING[:] = [_perf(), run_delay() or 0.0, wall]
+    signal.setitimer(signal.ITIMER_PROF, max(cpu, 0.001))
+    signal.setitimer(signal.ITIMER_REAL, max(wall, 0.001))
+
+
+def _disarm() -> None:
+    signal.setitimer(signal.ITIMER_PROF, 0)
+    signal.setitimer(signal.ITIMER_REAL, 0)
 
 
 class _Commands:
@@ -958,34 +1063,37 @@ def _plan_view(cfg: dict, prot: dict) -> tuple[list[str], list[str], list[tuple[
     return exposed_list, sorted(set(covers)), links
 
 
-def _setup_root(cfg: dict, prot: dict) -> None:
+def _setup_root(cfg: dict, prot: dict, missing: list) -> None:
     """A fresh root: an empty tmpfs holding only the system directories and the interpreter
     (read-only binds at their own paths), with the dataset paths inside them covered; fresh
     size-limited tmpfs on /tmp and /dev/shm; a /dev with null, zero, full, random, urandom only;
     a /proc of the new pid namespace; everything read-only, nosuid and nodev (but the five
-    devices); then pivot_root into it. Nothing outside the list exists in the sandbox."""
+    devices); then pivot_root into it. Nothing outside the list exists in the sandbox.
+
+    Every tree to expose is opened before anything is mounted, so the staging mount (on /tmp)
+    hides nothing still needed; the sandbox's own /tmp, /dev and /proc are made before the binds,
+    so an exposed directory inside /tmp (a virtualenv or checkout there) lands inside the private
+    /tmp instead of colliding with it. Any step that fails is a missing protection (``view``);
+    a required hidden path that the view cannot hide raises ValueError (a configuration error)."""
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     exposed, covers, links = _plan_view(cfg, prot)
-    new = "/tmp"  # staging mount point: the host's /tmp is not part of the new view
+    for e in exposed:
+        for own in ("/dev", "/proc"):
+            if _under(e, own):
+                raise ValueError(f"cannot expose {e} to the sandbox: {own} is the sandbox's own")
+        if _under("/tmp", e):
+            raise ValueError(f"cannot expose {e} to the sandbox: it contains /tmp, which is the sandbox's own")
+    new = "/tmp"  # staging mount point; every tree to expose is already open
     grafts: dict[str, int] = {}
     devs: dict[str, int] = {}
     try:
         for e in exposed:
-            try:
-                grafts[e] = open_tree(e)
-            except OSError as exc:
-                prot["warnings"].append(f"cannot expose {e}: {exc}")
+            grafts[e] = open_tree(e)
         for d in DEVICES:
-            try:
-                devs[d] = open_tree("/dev/" + d)
-            except OSError as exc:
-                prot["warnings"].append(f"cannot provide /dev/{d}: {exc}")
+            devs[d] = open_tree("/dev/" + d)
         mount("tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=4096,mode=755")
         for path, target in links:
             os.symlink(target, new + path)
-        for e, fd in grafts.items():
-            os.makedirs(new + e, 0o755, exist_ok=True)
-            move_mount(fd, new + e)
         size = int(cfg["tmp_mb"])
         os.mkdir(new + "/tmp")
         mount("tmpfs", new + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, f"size={size}m,nr_inodes=4096,mode=1777")
@@ -1002,25 +1110,20 @@ def _setup_root(cfg: dict, prot: dict) -> None:
         mount("tmpfs", new + "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, f"size={size}m,nr_inodes=4096,mode=1777")
         prot["private_tmp"] = True
         os.mkdir(new + "/proc")
-        try:
-            mount("proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-            prot["private_proc"] = True
-        except OSError as exc:
-            prot["warnings"].append(f"cannot mount a private /proc: {exc}")
+        mount("proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        prot["private_proc"] = True
+        for e, fd in grafts.items():
+            os.makedirs(new + e, 0o755, exist_ok=True)
+            move_mount(fd, new + e)
         empty = new + "/.vpo-empty"
         with open(empty, "w"):
             pass
-        covered = []
         for h in covers:
             target = new + h
-            try:
-                if os.path.isdir(target) and not os.path.islink(target):
-                    mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,nr_inodes=16,mode=755")
-                elif os.path.lexists(target):
-                    mount(empty, target, None, MS_BIND)
-                covered.append(h)
-            except OSError as exc:
-                prot["warnings"].append(f"cannot hide {h}: {exc}")
+            if os.path.isdir(target) and not os.path.islink(target):
+                mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,nr_inodes=16,mode=755")
+            elif os.path.lexists(target):
+                mount(empty, target, None, MS_BIND)
         os.mkdir(new + "/.old")
         try:
             mount_setattr(new, True, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV, 0)
@@ -1031,7 +1134,7 @@ def _setup_root(cfg: dict, prot: dict) -> None:
             prot["readonly_root"] = prot["nodev"] = True
         except OSError:
             prot["readonly_root"] = prot["nodev"] = _remount_readonly(new, {new + "/tmp", new + "/dev/shm"},
-                                                                       {new + "/dev/" + d for d in devs}, prot)
+                                                                       {new + "/dev/" + d for d in devs}, missing)
         pivot_root(new, new + "/.old")
         os.chdir("/")
         try:
@@ -1039,6 +1142,8 @@ def _setup_root(cfg: dict, prot: dict) -> None:
         except OSError:  # a locked mount tree (user namespace): cover it instead
             mount("tmpfs", "/.old", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, "size=4k,nr_inodes=16,mode=0")
         prot["view"] = "minimal"
+    except OSError as exc:
+        missing.append({"what": "view", "why": f"filesystem setup failed: {exc}"})
     finally:
         for fd in list(grafts.values()) + list(devs.values()):
             try:
@@ -1047,7 +1152,7 @@ def _setup_root(cfg: dict, prot: dict) -> None:
                 pass
 
 
-def _remount_readonly(root: str, writable: set[str], devices: set[str], prot: dict) -> bool:
+def _remount_readonly(root: str, writable: set[str], devices: set[str], missing: list) -> bool:
     """Fallback for kernels without mount_setattr: remount every mount under ``root``
     read-only, nosuid and nodev one by one (``writable`` stay writable, ``devices`` keep dev)."""
     ok = True
@@ -1070,7 +1175,7 @@ def _remount_readonly(root: str, writable: set[str], devices: set[str], prot: di
             mount(None, target, None, flags)
         except OSError as exc:
             ok = False
-            prot["warnings"].append(f"cannot make {target} read-only: {exc}")
+            missing.append({"what": "view", "why": f"cannot make {target} read-only: {exc}"})
     return ok
 
 
@@ -1086,7 +1191,7 @@ def _is_hidden(path: str) -> bool:
         return True  # unreadable counts as hidden (nothing can be learned from it)
 
 
-def _set_limits(cfg: dict, mode: str) -> dict:
+def _set_limits(cfg: dict, mode: str, missing: list) -> dict:
     mb = 1 << 20
     lim = {
         "RLIMIT_AS": int(cfg["memory_mb"]) * mb,
@@ -1111,32 +1216,47 @@ def _set_limits(cfg: dict, mode: str) -> dict:
         try:
             resource.setrlimit(res, (value, hard))
             applied[name] = value
-        except (OSError, ValueError):
-            pass
+        except (OSError, ValueError) as exc:
+            missing.append({"what": "limits", "why": f"cannot set {name}: {exc}"})
     return applied
 
 
 def child_main(cfg: dict) -> int:
-    """Runs in C: finish isolation, then serve the parent's requests. Returns C's exit code."""
+    """Runs in C: finish isolation, then serve the parent's requests. Returns C's exit code.
+
+    Every protection that cannot be set up is recorded in ``missing`` (what, why); unless the
+    configuration named it as accepted (``allow``), the candidate is not run: a ``fatal`` event
+    lists what is missing and the process exits."""
     mode = cfg["_mode"]
     cfg["_t"].append(time.time())
     set_name("vpo-judge" if cfg.get("role") == "judge" else "vpo-sandbox")
-    prot: dict = {"mode": mode, "role": cfg.get("role", "candidate"), "warnings": list(cfg.get("_ns_errors", ())),
+    missing: list = []
+    prot: dict = {"mode": mode, "role": cfg.get("role", "candidate"), "warnings": [],
                   "pidns": mode != "none", "netns": mode != "none" or NETNS[0] == "zygote",
                   "netns_scope": NETNS[0] if mode == "root" or NETNS[0] == "zygote" else ("sandbox" if mode != "none" else None),
                   "view": "host", "exposed": [], "not_exposed": [],
                   "hidden": [], "readonly_root": False, "nodev": False, "private_tmp": False, "private_proc": False,
-                  "uid": None, "caps": "?", "nproc_enforced": False, "keyring": None, "seccomp": False}
+                  "uid": None, "caps": "?", "nproc_enforced": False, "keyring": None, "seccomp": False,
+                  "cgroup": dict(SLOT.get("joined") or {"version": None}), "time": "cpu",
+                  "shared_file_channels": "open", "missing": missing}
+    # everything not in force is listed; what the configuration accepts by name is filtered below
+    if not prot["cgroup"].get("version"):
+        missing.append({"what": "cgroup", "why": prot["cgroup"].get("why") or "not joined"})
+    if mode == "none":
+        why = "; ".join(cfg.get("_ns_errors", ())) or ("disabled by config" if cfg.get("namespaces") == "off" else "unavailable")
+        missing.append({"what": "namespaces", "why": why})
     root = os.geteuid() == 0
     if mode != "none":
         try:
-            _setup_root(cfg, prot)
+            _setup_root(cfg, prot, missing)
         except ValueError as exc:  # a required path cannot be hidden: a configuration error
             _send({"ev": "fatal", "msg": str(exc), "prot": prot, "config": True})
             return 2
-        except OSError as exc:
-            prot["warnings"].append(f"filesystem setup failed: {exc}")
         work = "/tmp/work"
+        k = 0
+        while os.path.lexists(work):  # an exposed directory inside /tmp may hold that name
+            k += 1
+            work = f"/tmp/work{k}"
         os.mkdir(work, 0o700)
     else:
         work = cfg.get("_workdir") or ""
@@ -1144,9 +1264,11 @@ def child_main(cfg: dict) -> int:
         if not work:
             _send({"ev": "fatal", "msg": "no work directory for a sandbox without namespaces", "prot": prot})
             return 2
-    uid = int(cfg["uid"])
+    uid = int(SLOT.get("uid") or 0)
     if root:
         try:
+            if not uid:
+                raise OSError(22, "no sandbox user id leased for this fork server")
             os.chown(work, uid, uid)
             os.setgroups([])
             os.setresgid(uid, uid, uid)
@@ -1159,11 +1281,11 @@ def child_main(cfg: dict) -> int:
         try:
             drop_capabilities()
         except OSError as exc:
-            prot["warnings"].append(f"cannot drop namespace capabilities: {exc}")
+            missing.append({"what": "credentials", "why": f"cannot drop namespace capabilities: {exc}"})
         prot["uid"] = os.getuid()
     else:
         prot["uid"] = os.getuid()
-    prot["nproc_enforced"] = root or mode == "userns"
+    prot["nproc_enforced"] = root or mode == "userns" or bool(prot["cgroup"].get("version"))
     nr_keyctl = _nr("keyctl")
     try:
         if nr_keyctl is None:
@@ -1174,19 +1296,20 @@ def child_main(cfg: dict) -> int:
         if exc.errno == 38:  # ENOSYS: no keyring support in the kernel, nothing to inherit
             prot["keyring"] = "none in kernel"
         else:
-            prot["warnings"].append(f"cannot join a fresh session keyring: {exc}")
+            missing.append({"what": "keyring", "why": f"cannot join a fresh session keyring: {exc}"})
     try:
         prctl(PR_SET_NO_NEW_PRIVS, 1)
         prot["no_new_privs"] = True
-    except OSError:
+    except OSError as exc:
         prot["no_new_privs"] = False
+        missing.append({"what": "credentials", "why": f"cannot set no_new_privs: {exc}"})
     try:
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
         pass
     prot["caps"] = _cap_eff()
-    if prot["caps"] not in ("0000000000000000",):
-        prot["warnings"].append(f"capabilities left: {prot['caps']}")
+    if prot["caps"] != "0000000000000000":
+        missing.append({"what": "credentials", "why": f"capabilities left: {prot['caps']}"})
     # what is hidden is checked from inside, as the sandbox's own user
     required = cfg.get("hide_required", ())
     unhidden = [p for p in required if (os.path.lexists(p) if mode == "none" else not _is_hidden(p))]
@@ -1196,6 +1319,12 @@ def child_main(cfg: dict) -> int:
         return 2
     listed = list(cfg.get("hide_required", ())) + list(cfg.get("hide", ())) + prot.pop("_site_dirs", [])
     prot["hidden"] = sorted({p for p in listed if _is_hidden(p)})
+    if mode != "none":  # a default path to hide that is still readable: the view is not what was promised
+        for p in cfg.get("hide", ()):
+            if p in prot["hidden"] or any(_under(e, p) for e in prot["exposed"]):
+                continue
+            if not _is_hidden(p):
+                missing.append({"what": "view", "why": f"cannot hide {p}"})
     stdlib = os.path.dirname(os.__file__)
     if not os.access(stdlib, os.R_OK | os.X_OK):
         prot["warnings"].append(f"standard library {stdlib} not readable: only preloaded modules import")
@@ -1204,16 +1333,20 @@ def child_main(cfg: dict) -> int:
     os.environ.clear()
     os.environ.update({"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": work, "LANG": "C.UTF-8", "TMPDIR": work})
     runner = _JudgeRunner(cfg, prot) if cfg.get("role") == "judge" else _CandidateRunner(cfg, prot)
-    prot["rlimits"] = _set_limits(cfg, mode)
+    prot["rlimits"] = _set_limits(cfg, mode, missing)
     if cfg.get("seccomp", True):
         try:
             prot["seccomp_instructions"] = install_seccomp()
             prot["seccomp"] = True
+            prot["shared_file_channels"] = "filtered: flock, fcntl locks, leases and notifications, inotify, fanotify"
         except OSError as exc:
-            prot["warnings"].append(f"no seccomp filter: {exc}")
-    if cfg.get("require") and (mode == "none" or prot["warnings"]):
-        _send({"ev": "fatal", "msg": "required isolation unavailable: " + "; ".join(prot["warnings"] or ["no namespaces"]),
-               "prot": prot})
+            missing.append({"what": "seccomp", "why": f"no seccomp filter: {exc}"})
+    else:
+        missing.append({"what": "seccomp", "why": "disabled by config"})
+    allow = set(cfg.get("allow", ()))
+    refused = [m for m in missing if m["what"] not in allow]
+    if refused:
+        _send({"ev": "fatal", "msg": "required isolation unavailable", "missing": refused, "prot": prot})
         return 2
     t = cfg["_t"]
     t.append(time.time())
@@ -1243,13 +1376,24 @@ def _on_alarm(signum, frame):
     raise _TestTimeout()
 
 
+def _on_ceiling(signum, frame):
+    start, delay0, wall = _CEILING
+    delay = run_delay()
+    used = _perf() - start - (delay - delay0 if delay is not None else 0.0)
+    if wall and used < wall:  # part of the time went to waiting for a CPU: not the candidate's
+        signal.setitimer(signal.ITIMER_REAL, max(wall - used, 0.005))
+        return
+    raise _TestTimeout()
+
+
 def _common_process_setup() -> None:
     sys.argv[:] = ["solution.py"]
     try:
         sys.set_int_max_str_digits(0)
     except AttributeError:  # pragma: no cover - Python < 3.11
         pass
-    signal.signal(signal.SIGALRM, _on_alarm)
+    signal.signal(signal.SIGALRM, _on_ceiling)
+    signal.signal(signal.SIGPROF, _on_alarm)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     for name in ("exit", "quit"):  # normally added by site, which -S skips
         if not hasattr(builtins, name):
@@ -1268,6 +1412,8 @@ class _CandidateRunner:
         self.timeout = float(cfg["test_timeout"])
         self.load_timeout = float(cfg["load_timeout"])
         self.cap = int(cfg["max_output_bytes"])
+        self.max_items = int(cfg["max_value_items"])
+        self.wall_factor = float(cfg["wall_factor"])
         self.in_fd = os.memfd_create("stdin", 0)
         self.out_fd = os.memfd_create("stdout", 0)
         self.err_fd = os.memfd_create("stderr", 0)
@@ -1336,7 +1482,7 @@ class _CandidateRunner:
         module_ns = None
         if self.needs_module:
             self._redirect("")
-            signal.setitimer(signal.ITIMER_REAL, self.load_timeout)
+            _arm(self.load_timeout, self.load_timeout * self.wall_factor)
             try:
                 module_ns = self._namespace("__solution__")
                 exec(code_obj, module_ns)  # noqa: S102
@@ -1346,7 +1492,7 @@ class _CandidateRunner:
             except BaseException as exc:  # noqa: BLE001
                 err = _describe(exc)
             finally:
-                signal.setitimer(signal.ITIMER_REAL, 0)
+                _disarm()
             if err is not None:
                 _send({"ev": "load_error", "msg": err})
                 return 0
@@ -1355,25 +1501,25 @@ class _CandidateRunner:
         while True:
             req = self.commands.read()
             if req is None:
-                os._exit(0)  # the parent is done with us (no atexit, no thread joins)
-            timeout = float(req.get("timeout", self.timeout))
+                _os_exit(0)  # the parent is done with us (no atexit, no thread joins)
+            cpu = float(req.get("timeout", self.timeout))
+            wall = float(req.get("wall", cpu * self.wall_factor))
+            raw = ""
             try:
                 if req["kind"] == "stdio":
-                    msg = self._run_stdio(code_obj, req, timeout)
+                    msg, raw = self._run_stdio(code_obj, req, cpu, wall)
                 else:
-                    msg = self._run_value(module_ns, req, timeout)
-            except _TestTimeout:  # the alarm fired between the candidate's return and its cancellation
-                signal.setitimer(signal.ITIMER_REAL, 0)
-                msg = {"st": "timeout", "t": timeout, "err": ""}
+                    msg, raw = self._run_value(module_ns, req, cpu, wall)
+            except _TestTimeout:  # an alarm fired between the candidate's return and its cancellation
+                _disarm()
+                msg, raw = {"st": "timeout", "t": cpu, "err": ""}, ""
             self._cleanup_processes()
-            msg["ev"] = "end"
-            msg["i"] = req.get("i")
-            _send(msg)
+            _send({"ev": "end", "i": req.get("i"), **msg}, raw)
 
-    def _run_stdio(self, code_obj, req: dict, timeout: float) -> dict:
+    def _run_stdio(self, code_obj, req: dict, cpu: float, wall: float) -> tuple[dict, str]:
         self._redirect(req.get("input", ""))
         status, err, etype = "ok", "", ""
-        signal.setitimer(signal.ITIMER_REAL, timeout)
+        _arm(cpu, wall)
         t0 = _perf()
         ns = None
         try:
@@ -1392,19 +1538,20 @@ class _CandidateRunner:
         except BaseException as exc:  # noqa: BLE001
             status, err, etype = "error", _describe(exc), type(exc).__name__
         finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
+            _disarm()
         elapsed = _perf() - t0
         if ns is not None:
             ns.clear()
         out, truncated, stderr = self._collect()
         if truncated and status == "ok":
             status, err = "error", f"output limit exceeded ({self.cap} bytes)"
-        return {"st": status, "t": elapsed, "out": out, "err": err or stderr[-500:], "etype": etype}
+        msg = {"st": status, "t": elapsed, "err": err or stderr[-500:], "etype": etype}
+        return msg, '"out": ' + _plain_string(out)
 
-    def _run_value(self, module_ns: dict, req: dict, timeout: float) -> dict:
+    def _run_value(self, module_ns: dict, req: dict, cpu: float, wall: float) -> tuple[dict, str]:
         self._redirect("")
-        status, err, value, etype = "ok", "", None, ""
-        signal.setitimer(signal.ITIMER_REAL, timeout)
+        status, err, etype, wire = "ok", "", "", ""
+        _arm(cpu, wall)
         t0 = _perf()
         elapsed = 0.0
         try:
@@ -1413,23 +1560,31 @@ class _CandidateRunner:
                 args = decode_value(req.get("args", []))
                 kw = decode_value(req["kw"]) if req.get("kw") else {}
                 result = fn(*args, **kw)
+            elif req["kind"] == "get":  # plain module-level values an expr test reads (judged elsewhere)
+                result = {}
+                for name in req.get("names", ()):
+                    if name not in module_ns:
+                        raise NameError(f"name {name!r} is not defined")
+                    result[name] = module_ns[name]
             else:
-                result = eval(compile(req["expr"], "<test>", "eval"), module_ns)
+                raise ValueError(f"unknown request kind {req['kind']!r}")
             elapsed = _perf() - t0
-            value = encode_value(result)
+            wire = _json_dumps(encode_value(result), ensure_ascii=True)
         except _TestTimeout:
             status = "timeout"
         except BaseException as exc:  # noqa: BLE001 - includes SystemExit from the candidate
             status, err, etype = "error", _describe(exc), type(exc).__name__
         finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
+            _disarm()
         if status != "ok":
             elapsed = _perf() - t0
+        elif structure_count(wire) > self.max_items or len(wire) > 4 * self.cap:
+            status, etype = "error", "ValueError"
+            err = (f"return value too large to judge ({structure_count(wire)} values, {len(wire)} bytes; "
+                   f"the limits are {self.max_items} values, {4 * self.cap} bytes)")
         self._collect()
         msg = {"st": status, "t": elapsed, "err": err, "etype": etype}
-        if status == "ok":
-            msg["val"] = value
-        return msg
+        return msg, ('"val": ' + wire if status == "ok" else "")
 
 
 class _CandidateTimeout(BaseException):
@@ -1449,15 +1604,24 @@ class _JudgeAbort(BaseException):
 
 
 class _JudgeRunner:
-    """Runs a dataset's own test code step by step. The code defines a generator
-    ``__vpo_steps__(candidate)`` that yields once per step (None, or the exception that ended
-    it); ``candidate`` here is a proxy whose every call is answered by the candidate's sandbox
-    through the parent, with plain values only."""
+    """Runs a dataset's own test code: the steps of its check program, and ``expr`` tests.
+
+    The check program defines a generator ``__vpo_steps__(candidate)`` that yields once per step
+    (None, or the exception that ended it); ``candidate`` here is a proxy whose every call is
+    answered by the candidate's sandbox through the parent, with plain values only. An ``expr``
+    test is evaluated here the same way: each name the solution defines is a proxy of that
+    function (or the plain value the parent fetched), so the expression computes on plain data
+    and no object of the candidate takes part. A candidate exception raised during a step or an
+    expression fails it, whatever the test code does with the exception (a ``StopIteration``
+    that ends a ``map`` early, an ``except Exception``)."""
 
     def __init__(self, cfg: dict, prot: dict) -> None:
         self.cfg = cfg
         self.prot = prot
         self.load_timeout = float(cfg["load_timeout"])
+        self.wall_factor = float(cfg["wall_factor"])
+        self.max_items = int(cfg["max_value_items"])
+        self.cap = int(cfg["max_output_bytes"])
         self.commands = _Commands()
         self.raised: str | None = None
         _common_process_setup()
@@ -1465,8 +1629,10 @@ class _JudgeRunner:
         for fd in (0, 1, 2):
             os.dup2(devnull, fd)
 
-    def _candidate(self, *args: object, **kwargs: object) -> object:
+    def _call(self, fn: str | None, args: tuple, kwargs: dict) -> object:
         msg = {"ev": "call", "args": encode_value(list(args))}
+        if fn is not None:
+            msg["fn"] = fn
         if kwargs:
             msg["kw"] = encode_value(dict(kwargs))
         _send(msg)
@@ -1480,7 +1646,8 @@ class _JudgeRunner:
         if "died" in reply:
             raise _CandidateDied(str(reply["died"]))
         name, text = str(reply.get("exc") or "Exception"), str(reply.get("msg") or "")
-        self.raised = text or name
+        if self.raised is None:
+            self.raised = text or name
         etype = getattr(builtins, name, None)
         exc: BaseException = _CandidateRaised(text or name)
         if isinstance(etype, type) and issubclass(etype, Exception):
@@ -1490,30 +1657,45 @@ class _JudgeRunner:
                 pass
         raise exc
 
+    def _candidate(self, *args: object, **kwargs: object) -> object:
+        return self._call(None, args, kwargs)
+
+    def _proxy(self, name: str):
+        def call(*args: object, **kwargs: object) -> object:
+            return self._call(name, args, kwargs)
+
+        call.__name__ = call.__qualname__ = name
+        return call
+
     def run(self) -> int:
         _send({"ev": "ready", "prot": self.prot})
-        signal.setitimer(signal.ITIMER_REAL, self.load_timeout)
+        _arm(self.load_timeout, self.load_timeout * self.wall_factor)
+        gen = None
         try:
             ns = {"__name__": "__main__", "__builtins__": builtins}
             exec(compile(self.cfg["code"], "check.py", "exec"), ns)  # noqa: S102 - the dataset's test code
-            gen = ns["__vpo_steps__"](self._candidate)
+            if "__vpo_steps__" in ns:
+                gen = ns["__vpo_steps__"](self._candidate)
             err = None
         except _TestTimeout:
             err = "timeout while loading the test code"
         except BaseException as exc:  # noqa: BLE001
             err = _describe(exc)
         finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
+            _disarm()
         if err is not None:
             _send({"ev": "load_error", "msg": err})
             return 0
         _send({"ev": "loaded"})
         step = 0
-        finished = False
+        finished = gen is None
         while True:
             req = self.commands.read()
             if req is None:
-                os._exit(0)
+                _os_exit(0)
+            if "expr" in req:
+                self._expr(req)
+                continue
             want = int(req["step"])
             while step <= want:
                 self.raised = None
@@ -1528,20 +1710,40 @@ class _JudgeRunner:
                     except BaseException as exc:  # noqa: BLE001 - outside any step: the test code is broken
                         finished, outcome = True, exc
                 if isinstance(outcome, _JudgeAbort):
-                    os._exit(0)
+                    _os_exit(0)
                 if step == want:
                     _send({"ev": "step", "k": step, "t": _perf() - t0, **self._verdict(outcome)})
                 step += 1
 
+    def _expr(self, req: dict) -> None:
+        self.raised = None
+        head = {"ev": "value", "k": req.get("k")}
+        try:
+            ns = {"__builtins__": builtins, **decode_value(req.get("vals") or {})}
+            ns.update({name: self._proxy(name) for name in req.get("fns", ())})
+            value = eval(compile(req["expr"], "<test>", "eval"), ns)
+            wire = _json_dumps(encode_value(value), ensure_ascii=True)
+        except _JudgeAbort:
+            _os_exit(0)
+        except BaseException as exc:  # noqa: BLE001
+            _send({**head, **self._verdict(exc)})
+            return
+        if self.raised is not None:
+            _send({**head, **self._verdict(None)})
+        elif structure_count(wire) > self.max_items or len(wire) > 4 * self.cap:
+            _send({**head, "st": "error", "err": "the test expression's value is too large to judge"})
+        else:
+            _send({**head, "st": "ok"}, '"val": ' + wire)
+
     def _verdict(self, outcome: BaseException | None) -> dict:
-        if outcome is None:
-            return {"st": "ok"}
         if isinstance(outcome, _CandidateTimeout):
             return {"st": "timeout", "err": "the candidate timed out"}
         if isinstance(outcome, _CandidateDied):
             return {"st": "error", "err": f"the candidate's process died: {outcome}"}
-        if self.raised is not None and not isinstance(outcome, AssertionError):
-            return {"st": "error", "err": f"the candidate raised: {self.raised}"[:500]}
+        if self.raised is not None:  # whatever the test code did with it
+            return {"st": "error", "err": f"the candidate raised {self.raised}"[:500]}
+        if outcome is None:
+            return {"st": "ok"}
         if isinstance(outcome, AssertionError):
             return {"st": "fail", "err": "assertion failed" + (f": {_describe(outcome)}" if str(outcome) else "")}
         return {"st": "fail", "err": f"the test raised {_describe(outcome)}"}
@@ -1570,8 +1772,9 @@ def _describe(exc: BaseException) -> str:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) in (3, 4) and sys.argv[1] == "zygote":
-        zygote_main(int(sys.argv[2]), sys.argv[3] if len(sys.argv) == 4 else "auto")
+    if len(sys.argv) in (3, 4, 5) and sys.argv[1] == "zygote":
+        zygote_main(int(sys.argv[2]), sys.argv[3] if len(sys.argv) >= 4 else "auto",
+                    json.loads(sys.argv[4]) if len(sys.argv) == 5 else None)
     else:
-        sys.stderr.write("usage: _harness.py zygote SOCKET_FD [auto|off]\n")
+        sys.stderr.write("usage: _harness.py zygote SOCKET_FD [auto|off] [SLOT_JSON]\n")
         sys.exit(2)

@@ -75,16 +75,20 @@ class SandboxParams(TypedDict, total=False):
     load_timeout: float
     grace: float
     total_timeout: float | None
+    wall_factor: float
     memory_mb: int
     stack_mb: int
     max_processes: int
+    cpus: float
     max_open_files: int
     max_output_bytes: int
+    max_value_items: int
     tmp_mb: int
     workers: int | None
     python: str | None
     site_packages: bool
     namespaces: Literal["auto", "require", "off"]
+    cgroups: Literal["auto", "require", "off"]
     hide_paths: list[str]
     hide_defaults: bool
     seccomp: bool
@@ -168,8 +172,10 @@ class CodeTestsReward(VectorReward):
     ``names`` are ``test_0 .. test_{max_tests-1}``. Answers are parsed as fenced python blocks
     (one per ``<answer_i>`` tag, or the LiveCodeBench ``---``-separated layout) and
     de-duplicated by AST. Scoring runs all answers of a call in parallel; :meth:`score_many`
-    and :meth:`prefetch` batch many rollouts at once, and results are cached by
-    (problem, program AST), so identical programs across rollouts run once.
+    and :meth:`prefetch` batch many rollouts at once, and results are cached by (problem, exact
+    program text), so identical programs across rollouts run once. The key is the text itself,
+    not its syntax tree: two programs that differ only in layout can behave differently (a
+    program can read its own line numbers), so neither inherits the other's verdict.
     """
 
     answer_tag = "answer"
@@ -250,7 +256,8 @@ class CodeTestsReward(VectorReward):
             pkey = _problem_key(row, tests)
             keys = []
             for a in answers:
-                key = (pkey, python_ast_key(a))
+                program = _program(a, row)
+                key = (pkey, _program_key(program))
                 keys.append(key)
                 if key in known or key in todo:
                     continue
@@ -258,7 +265,7 @@ class CodeTestsReward(VectorReward):
                 if hit is not None:
                     known[key] = hit
                 else:
-                    todo[key] = self._job(_program(a, row), tests, row)
+                    todo[key] = self._job(program, tests, row)
             plans.append((keys, len(tests)))
         if todo:
             jobs = list(todo.items())
@@ -320,6 +327,11 @@ def _problem_key(row: Mapping[str, Any], tests: Sequence[TestCase]) -> str:
     h.update(json.dumps(row_judge(row), sort_keys=True).encode())
     h.update(json.dumps([t.to_dict() for t in tests], sort_keys=True).encode())
     return h.hexdigest()
+
+
+def _program_key(program: str) -> str:
+    """The cache key of a program: a digest of its exact text (every byte can change behaviour)."""
+    return hashlib.sha256(program.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def _program(answer: str, row: Mapping[str, Any]) -> str:
