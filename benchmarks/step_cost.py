@@ -225,9 +225,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         peft_config = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0, task_type="CAUSAL_LM",
                                  target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                  "down_proj"])
+    rollouts = args.prompts * args.generations
+    micro = args.micro_batch or rollouts
+    if rollouts % micro:
+        raise SystemExit(f"--micro-batch {micro} must divide the {rollouts} rollouts of a step")
     cfg = VPOConfig(output_dir=str(Path(args.out) / "trainer"), bf16=False, use_cpu=True,
                     gradient_checkpointing=False, report_to="none", save_strategy="no", logging_steps=1,
-                    dataloader_pin_memory=False, per_device_train_batch_size=args.prompts * args.generations,
+                    dataloader_pin_memory=False, per_device_train_batch_size=micro,
+                    gradient_accumulation_steps=rollouts // micro,
                     num_generations=args.generations, max_completion_length=args.max_completion_length,
                     max_steps=args.steps + 1, learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
                     beta=0.0, temperature=1.0, seed=0, data_seed=0, estimator=args.estimator,
@@ -295,6 +300,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompts", type=int, default=4, help="prompts per step")
     ap.add_argument("--generations", type=int, default=8, help="rollouts per prompt")
     ap.add_argument("--m", type=int, default=3, help="answers per rollout")
+    ap.add_argument("--micro-batch", type=int, default=8,
+                    help="rollouts per forward/backward (TRL's per_device_train_batch_size; the step accumulates "
+                         "gradients over rollouts / micro-batch of them, generated in one round)")
     ap.add_argument("--estimator", default="vpo")
     ap.add_argument("--max-completion-length", type=int, default=96)
     ap.add_argument("--lr", type=float, default=1e-5)

@@ -115,3 +115,34 @@ def test_too_short_prompt_is_refused() -> None:
     ids = torch.randint(3, 100, (2, 5))
     with pytest.raises(ValueError, match="at least 2 tokens"):
         shared_prefix_logps(model, ids, torch.ones_like(ids), 4)
+
+
+def test_group_shuffle_keeps_groups_whole_and_rows_aligned() -> None:
+    import trl.trainer.grpo_trainer as grpo
+
+    from vpo.shared_prefix import _grouped_shuffle, group_shuffle
+
+    prompt_ids, prompt_mask, comp, _ = _batch(2)
+    batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": comp,
+             "tag": [f"row{i}" for i in range(len(comp))], "num_items_in_batch": torch.tensor(5)}
+    torch.manual_seed(0)
+    out = group_shuffle(batch)
+    _, before = group_prompts(prompt_ids, prompt_mask)
+    _, after = group_prompts(out["prompt_ids"], out["prompt_mask"])
+    runs = [int(g) for i, g in enumerate(after.tolist()) if i == 0 or g != after[i - 1]]
+    assert len(runs) == len(set(runs)) == 3  # each group is one contiguous block
+    rows = [int(t[3:]) for t in out["tag"]]
+    assert sorted(rows) == list(range(len(comp)))  # a permutation of the rows ...
+    assert torch.equal(out["completion_ids"], comp[rows])  # ... applied to every field alike
+    assert torch.equal(out["prompt_ids"], prompt_ids[rows])
+    assert out["num_items_in_batch"] is batch["num_items_in_batch"]
+    orders = set()
+    for seed in range(8):
+        torch.manual_seed(seed)
+        shuffled = group_shuffle(batch)
+        first_rows = group_prompts(shuffled["prompt_ids"], shuffled["prompt_mask"])[0]
+        orders.add(tuple(before[[int(shuffled["tag"][i][3:]) for i in first_rows]].tolist()))  # which original group comes first, second, third
+    assert len(orders) > 1  # the group order is random
+    with _grouped_shuffle():  # TRL's trainer module looks the shuffle up by this name
+        assert grpo.shuffle_sequence_dict is group_shuffle
+    assert grpo.shuffle_sequence_dict is not group_shuffle

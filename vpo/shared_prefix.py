@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SharedPrefixMixin", "group_prompts", "shared_prefix_generate", "shared_prefix_logps"]
+__all__ = ["SharedPrefixMixin", "group_prompts", "group_shuffle", "shared_prefix_generate", "shared_prefix_logps"]
 
 
 def group_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,9 +36,11 @@ def group_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[
 
 
 def _prefix_cache(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> Any:
-    """The KV cache of ``ids`` (distinct prompts without their last token)."""
+    """The KV cache of ``ids`` (distinct prompts without their last token); None when the model's
+    cache cannot be indexed per row."""
     out = model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
-    return out.past_key_values
+    cache = getattr(out, "past_key_values", None)
+    return cache if hasattr(cache, "batch_select_indices") else None
 
 
 def shared_prefix_logps(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
@@ -57,6 +59,8 @@ def shared_prefix_logps(model: Any, input_ids: torch.Tensor, attention_mask: tor
     firsts, rows = group_prompts(input_ids[:, :p], attention_mask[:, :p])
     rows = rows.to(input_ids.device)
     cache = _prefix_cache(model, input_ids[firsts, : p - 1], attention_mask[firsts, : p - 1])
+    if cache is None:
+        raise ValueError(f"{type(model).__name__} returns no per-row KV cache; shared prompts need one")
     cache.batch_select_indices(rows)
     tail = input_ids[:, p - 1:]
     labels = tail.masked_fill(attention_mask[:, p - 1:] == 0, -100)
@@ -84,6 +88,8 @@ def shared_prefix_generate(model: Any) -> Iterator[None]:
             return original(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         with torch.no_grad():
             cache = _prefix_cache(model, input_ids[firsts, :-1], attention_mask[firsts, :-1])
+        if cache is None:
+            return original(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         cache.batch_select_indices(rows.to(input_ids.device))
         return original(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, **kwargs)
 
@@ -94,6 +100,39 @@ def shared_prefix_generate(model: Any) -> Iterator[None]:
         del model.generate
 
 
+def group_shuffle(batch: dict[str, Any]) -> dict[str, Any]:
+    """TRL's ``shuffle_sequence_dict`` by whole prompt groups: the groups come in a random order
+    (``torch.randperm``, the global generator TRL's shuffle uses), each group's rows stay together,
+    so a micro-batch holds whole groups and their prompt runs once in it."""
+    _, rows = group_prompts(batch["prompt_ids"], batch["prompt_mask"])
+    order = torch.randperm(int(rows.max()) + 1)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(len(order))
+    permutation = torch.argsort(rank[rows], stable=True)
+
+    def permute(v: Any) -> Any:
+        if v is None or (isinstance(v, torch.Tensor) and v.ndim == 0):
+            return v
+        if isinstance(v, torch.Tensor):
+            return v[permutation]
+        return [v[i] for i in permutation.tolist()]
+
+    return {key: permute(val) for key, val in batch.items()}
+
+
+@contextmanager
+def _grouped_shuffle() -> Iterator[None]:
+    """While active, TRL's GRPOTrainer shuffles its generation batch by prompt groups."""
+    import trl.trainer.grpo_trainer as grpo
+
+    original = grpo.shuffle_sequence_dict
+    grpo.shuffle_sequence_dict = group_shuffle
+    try:
+        yield
+    finally:
+        grpo.shuffle_sequence_dict = original
+
+
 _PLAIN_TEXT_ONLY = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
                     "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
 
@@ -102,6 +141,11 @@ class SharedPrefixMixin:
     """For a subclass of TRL's ``GRPOTrainer``: generation and log-probabilities run each distinct
     prompt once (:func:`shared_prefix_generate`, :func:`shared_prefix_logps`) when
     ``args.share_prompt_prefix`` is true and the setting allows it; otherwise TRL's own path.
+
+    Within one optimizer step the order of micro-batches does not change the gradient, so when a
+    generation round feeds exactly one optimizer step (``steps_per_generation`` equals
+    ``gradient_accumulation_steps`` and ``num_iterations`` is 1) the round is shuffled by whole prompt
+    groups (:func:`group_shuffle`) instead of by rows, so that each micro-batch shares its prompts.
 
     TRL's path is kept for: vLLM or continuous-batching generation (they share prefixes themselves),
     gradient checkpointing (no cache in a checkpointed forward), several processes (a DDP/FSDP/
@@ -133,6 +177,14 @@ class SharedPrefixMixin:
             if ent is not None:
                 entropies.append(ent)
         return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
+
+    def _prepare_inputs(self, generation_batch: Any) -> Any:
+        args = self.args  # type: ignore[attr-defined]
+        if (self._share_prefix() and self.model.training and self.num_iterations == 1  # type: ignore[attr-defined]
+                and args.steps_per_generation == args.gradient_accumulation_steps):
+            with _grouped_shuffle():
+                return super()._prepare_inputs(generation_batch)  # type: ignore[misc]
+        return super()._prepare_inputs(generation_batch)  # type: ignore[misc]
 
     def _generate_single_turn(self, prompt_ids: Any, *args: Any, **kwargs: Any) -> Any:
         if (not self._share_prefix() or self.use_vllm  # type: ignore[attr-defined]
