@@ -6,11 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import matplotlib
+import pytest
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from vpo.plots import coinciding, coinciding_note, k_axis, y_range
+from vpo.plots import coinciding, coinciding_note, k_axis, learning_curves, y_range
 
 
 def test_k_axis_has_plain_ticks_and_no_minor_labels() -> None:
@@ -58,3 +59,19 @@ def test_evaluation_plot_notes_coinciding_arms(tmp_path: Path, monkeypatch) -> N
     evaluate._plot(agg, [1, 3, 5], tmp_path / "p.png", "t")
     assert (tmp_path / "p.png").stat().st_size > 1000
     assert notes.count("lines drawn on top of each other: grpo = grpo_x3") == 3
+
+
+def test_learning_curves_average_seeds_per_step(tmp_path: Path) -> None:
+    """Each arm's line is the mean over its runs of the smoothed logged values, at the steps every run
+    logged; runs without a key draw nothing for it."""
+    def run(offset: float, steps: range) -> list[dict[str, float]]:
+        return [{"step": s, "reward": offset + 0.01 * s, "vpo/expected_max": 0.5} for s in steps]
+
+    histories = {"vpo": [run(0.0, range(1, 11)), run(0.2, range(1, 13))], "grpo": [run(0.5, range(1, 11))]}
+    drawn = learning_curves(histories, tmp_path / "lc.png", "t", smooth=2)
+    assert (tmp_path / "lc.png").stat().st_size > 1000
+    steps, means = drawn["reward"]["vpo"]
+    assert steps == list(range(2, 11))  # steps both runs logged, minus the first (2-point moving average)
+    assert means[0] == pytest.approx(0.1 + 0.015)  # mean of the two runs' (s=1, s=2) averages
+    assert drawn["vpo/expected_max"]["grpo"][1] == [0.5] * 9
+    assert "vpo/frac_unparsed" not in drawn

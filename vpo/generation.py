@@ -27,6 +27,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from vpo.chat import Messages, is_conversation, tokenize_prompts
+from vpo.shared_prefix import shared_prefix_generate
 
 __all__ = ["BACKENDS", "Generation", "generate_batch", "load_policy", "sample", "vllm_available"]
 
@@ -100,7 +101,8 @@ def generate_batch(
     was_training = model.training
     model.eval()
     try:
-        out = model.generate(**enc, **kwargs)
+        with shared_prefix_generate(model):  # the n copies of a prompt are prefilled once
+            out = model.generate(**enc, **kwargs)
     finally:
         model.train(was_training)
     completion = out[:, enc["input_ids"].shape[1] :]

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["coinciding", "coinciding_note", "k_axis", "y_range"]
+__all__ = ["LEARNING_CURVES", "coinciding", "coinciding_note", "k_axis", "learning_curves", "y_range"]
 
 
 def k_axis(ax: Any, ks: Sequence[int], label: str = "k (candidates)") -> None:
@@ -59,3 +59,57 @@ def coinciding_note(series: Mapping[str, Sequence[float]]) -> str | None:
     if not groups:
         return None
     return "lines drawn on top of each other: " + "; ".join(" = ".join(g) for g in groups)
+
+
+LEARNING_CURVES: tuple[tuple[str, str], ...] = (
+    ("reward", "training reward (w*-best answer)"),
+    ("vpo/expected_max", "E_w[max over the answer set]"),
+    ("vpo/reward_diversity", "reward diversity within a group"),
+    ("vpo/frac_unparsed", "unparsed rollouts"),
+)
+"""(history key, panel title) of the training curves drawn per arm: keys VPOTrainer logs every step."""
+
+
+def learning_curves(histories: Mapping[str, Sequence[Sequence[Mapping[str, Any]]]], path: Any, title: str,
+                    *, smooth: int = 5) -> dict[str, dict[str, tuple[list[int], list[float]]]]:
+    """One panel per :data:`LEARNING_CURVES` key: per arm the mean over its runs (seeds) of the
+    logged value against the training step, smoothed over ``smooth`` logged points, with the
+    min-max band over runs. ``histories`` maps arm -> one list of log records per run. Returns what
+    was drawn: key -> arm -> (steps, means)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    drawn: dict[str, dict[str, tuple[list[int], list[float]]]] = {}
+    fig, axes = plt.subplots(1, len(LEARNING_CURVES), figsize=(4.2 * len(LEARNING_CURVES), 3.8))
+    for ax, (key, label) in zip(axes, LEARNING_CURVES):
+        for arm, runs in histories.items():
+            series = []
+            for rec in runs:
+                pts = [(r["step"], float(r[key])) for r in rec if r.get(key) is not None and r.get("step") is not None]
+                if pts:
+                    series.append(dict(pts))
+            if not series:
+                continue
+            steps = sorted(set.intersection(*(set(s) for s in series)))
+            if not steps:
+                continue
+            vals = np.array([[s[t] for t in steps] for s in series])
+            if smooth > 1 and len(steps) >= smooth:
+                kernel = np.ones(smooth) / smooth
+                vals = np.array([np.convolve(v, kernel, mode="valid") for v in vals])
+                steps = steps[smooth - 1:]
+            (line,) = ax.plot(steps, vals.mean(0), label=f"{arm} (n={len(series)})")
+            drawn.setdefault(key, {})[arm] = (list(steps), vals.mean(0).tolist())
+            if len(series) > 1:
+                ax.fill_between(steps, vals.min(0), vals.max(0), alpha=0.15, color=line.get_color())
+        ax.set_title(label, fontsize=10)
+        ax.set_xlabel("training step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{title}  (line: mean over seeds of a {smooth}-point moving average, band: min-max)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return drawn

@@ -159,6 +159,11 @@ class RunLayout:
     def eval_plot(self) -> Path:
         return self.eval / "best_at_k.png"
 
+    @property
+    def eval_learning_plot(self) -> Path:
+        """Training curves of every arm (mean over seeds), drawn from the runs' history.json."""
+        return self.eval / "learning_curves.png"
+
     def eval_vectors(self, rid: str) -> Path:
         """The evaluation's reward vectors of one policy, (problems, chains, m, d)."""
         return self.eval / "vectors" / f"{rid}.npy"

@@ -31,6 +31,8 @@ class Task:
     name: str = ""
     reward: VectorReward
     system_prompt: str | None = None
+    full_information_oracle: str = "best single answer with full information"
+    """How result tables name :meth:`best_scalar` for tasks that have oracles."""
 
     def load(self, split: str) -> list[dict[str, Any]]:
         """Return the rows of ``split`` ("train" or "test")."""

@@ -254,6 +254,7 @@ class PhraseTask(Task):
 
     name = "phrase"
     system_prompt = SYSTEM_PROMPT
+    full_information_oracle = "best single phrase knowing the secret favourite"
 
     def __init__(self, *, n_train: int = 500, n_test: int = 50, seed: int = 0, n_keywords: int = 3,
                  n_conflicting: int = 1, n_favourites: int = 3, extra_words: int = 0, length_slack: int = 2,

@@ -571,6 +571,7 @@ class RouteTask(Task):
     """Seeded route problems with disjoint train/test splits, compact char prompts and oracles."""
 
     name = "route"
+    full_information_oracle = "best single route knowing the hidden lava"
 
     def __init__(
         self,

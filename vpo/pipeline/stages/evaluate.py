@@ -4,8 +4,8 @@ Each policy samples a fair pool per held-out problem (an m-answer policy ceil(n/
 :mod:`vpo.evaluate`); metrics are aggregated over seeds per arm (mean, std, min, max), with the
 number of runs that collapsed to one strategy (reward diversity under a tenth of the base's) and,
 for tasks that can compute it, the prompt-only oracle. Writes ``eval/metrics.json`` (everything),
-``curves.json`` (for ``dvc plots``), ``table.md``, ``best_at_k.png`` and the reward vectors of every
-policy (``vectors/<run>.npy``, read by the search stage).
+``curves.json`` (for ``dvc plots``), ``table.md``, ``best_at_k.png``, ``learning_curves.png`` (the arms'
+training curves) and the reward vectors of every policy (``vectors/<run>.npy``, read by the search stage).
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def _aggregate(per_run: Mapping[str, Mapping[str, Any]], groups: Mapping[str, li
 
 def _table(agg: Mapping[str, Any], ks: Sequence[int]) -> str:
     head = "| arm | runs | " + " | ".join(f"best@{k}" for k in ks) + " | " + " | ".join(
-        f"E_w best@{k}" for k in ks) + " | pass@" + str(ks[-1]) + " | diversity | first answer | collapsed |"
+        f"E_w best@{k}" for k in ks) + " | pass@" + str(ks[-1]) + " | diversity | first answer | parsed | collapsed |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for arm, e in agg.items():
         def cell(key: str, k: int, e: Mapping[str, Any] = e) -> str:
@@ -108,7 +108,7 @@ def _table(agg: Mapping[str, Any], ks: Sequence[int]) -> str:
             f"| {arm} | {len(e['runs'])} | " + " | ".join(cell("best_at_k", k) for k in ks) + " | "
             + " | ".join(cell("expected_weighted_best_at_k", k) for k in ks) + " | " + cell("pass_at_k", ks[-1])
             + f" | {e['reward_diversity']['mean']:.3f} ± {e['reward_diversity']['std']:.3f}"
-            f" | {e['first_answer_mean']['mean']:.3f} | "
+            f" | {e['first_answer_mean']['mean']:.3f} | {e['parse_rate']['mean']:.0%} | "
             f"{e['collapsed_runs']}/{len(e['runs'])} |")
     return "\n".join(lines) + "\n"
 
@@ -122,7 +122,8 @@ def _oracle(task: Any, rows: Sequence[Mapping[str, Any]], ks: Sequence[int]) -> 
         return None
     curves = np.array([curve_fn(r, max(ks)) for r in rows])
     return {"prompt_only_best_at_k": {str(k): float(curves[:, k - 1].mean()) for k in ks},
-            "full_information": float(np.mean([task.best_scalar(r) for r in rows]))}
+            "full_information": float(np.mean([task.best_scalar(r) for r in rows])),
+            "full_information_label": task.full_information_oracle}
 
 
 def _pool_line(pool: str) -> str:
@@ -139,7 +140,7 @@ def _oracle_line(oracle: Mapping[str, Any] | None, ks: Sequence[int]) -> str:
         return ""
     pts = ", ".join(f"best@{k} {oracle['prompt_only_best_at_k'][str(k)]:.3f}" for k in ks)
     return (f"\nOracle (mean scalar; answers chosen from the prompt alone, greedy): {pts}; "
-            f"best single route knowing the hidden lava: {oracle['full_information']:.3f}.\n")
+            f"{oracle['full_information_label']}: {oracle['full_information']:.3f}.\n")
 
 
 def _plot(agg: Mapping[str, Any], ks: Sequence[int], path: Path, title: str,
@@ -183,6 +184,22 @@ def _plot(agg: Mapping[str, Any], ks: Sequence[int], path: Path, title: str,
     fig.tight_layout()
     fig.savefig(path, dpi=110)  # inside the stage's temp folder: published with it
     plt.close(fig)
+
+
+def _learning_plot(cfg: PipelineConfig, layout: RunLayout, path: Path) -> None:
+    """Training curves of every arm (mean and min-max over its seeds) from the runs' history.json."""
+    import json
+
+    from vpo.plots import learning_curves
+
+    histories: dict[str, list[list[dict[str, Any]]]] = {}
+    for r in arm_runs(cfg):
+        hist = layout.arm_history(r.rid)
+        if hist.is_file():
+            histories.setdefault(r.arm.name, []).append(json.loads(hist.read_text()))
+    if histories:
+        learning_curves(histories, path, f"{cfg.variant}: training",
+                        smooth=max(1, min(10, cfg.trainer.max_steps // 20)))
 
 
 def _summary(agg: Mapping[str, Any], ks: Sequence[int]) -> dict[str, Any]:
@@ -258,6 +275,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         atomic_write_text(tmp / layout.eval_table.name, table)
         _plot(agg, ks, tmp / layout.eval_plot.name, f"{cfg.variant}: held-out {ev.split}, {len(rows)} problems",
               oracle)
+        _learning_plot(cfg, layout, tmp / layout.eval_learning_plot.name)
     table_out(table)
     ctx.outcome(f"{len(todo)} policies on {len(rows)} problems -> {layout.eval_table.name}, {layout.eval_plot.name}")
     return {"n_problems": len(rows), "arms": {a: {"runs": e["runs"]} for a, e in agg.items()}}
