@@ -45,6 +45,7 @@ from vpo.advantages import (
 )
 from vpo.metrics import reward_diversity
 from vpo.rewards import VectorReward, score_set
+from vpo.shared_prefix import SharedPrefixMixin
 
 __all__ = ["LowParseRateWarning", "ParseRateError", "VPOConfig", "VPOTrainer", "completion_text",
            "dimension_reward_funcs"]
@@ -109,6 +110,12 @@ class VPOConfig(GRPOConfig):
         metadata={"help": "Raise ParseRateError after this many consecutive generation batches (one per training "
                   "step unless steps_per_generation > 1) in which no rollout parsed (all rewards zero, so loss and "
                   "gradient are zero); 0 disables the check.", "ge": 0},
+    )
+    share_prompt_prefix: bool = field(
+        default=True,
+        metadata={"help": "Run each distinct prompt once in generation and in the loss's forward (its KV cache is "
+                  "shared by the group's rollouts); equal to TRL's path to float rounding. Used on one process "
+                  "without gradient checkpointing or vLLM; TRL's path otherwise."},
     )
 
     def __post_init__(self) -> None:
@@ -197,7 +204,7 @@ def dimension_reward_funcs(reward: VectorReward, m: int) -> list[Any]:
     return [make(j, name) for j, name in enumerate(reward.names)]
 
 
-class VPOTrainer(GRPOTrainer):
+class VPOTrainer(SharedPrefixMixin, GRPOTrainer):
     """GRPOTrainer whose advantages come from :mod:`vpo.advantages` on vector-scored answer sets."""
 
     # TRL's model card and Hub tags (create_model_card, on every checkpoint) name the trainer and paper

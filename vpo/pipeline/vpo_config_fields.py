@@ -207,4 +207,5 @@ FIELDS = {
     'truncated_scores_zero': {'type': {'type': 'bool'}, 'default': True},
     'min_parse_rate': {'type': {'type': 'float'}, 'default': 0.2, 'ge': 0.0, 'le': 1.0},
     'max_unparsed_steps': {'type': {'type': 'int'}, 'default': 5, 'ge': 0},
+    'share_prompt_prefix': {'type': {'type': 'bool'}, 'default': True},
 }
