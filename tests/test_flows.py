@@ -69,7 +69,7 @@ def test_plan_refuses_a_stale_dvc_yaml(tmp_path: Path) -> None:
     """A dvc.yaml that lacks some of the pipeline's train stages is an error, not a silent fallback."""
     make_repo(tmp_path / "repo")
     raw = yaml.safe_load((tmp_path / "repo" / "pipelines.yaml").read_text())
-    raw["pipelines"]["route"]["quick"]["arms"]["vpo"]["seeds"] = [0, 7]
+    raw["pipelines"]["route"]["quick"].setdefault("arms", {}).setdefault("vpo", {})["seeds"] = [0, 7]
     (tmp_path / "repo" / "pipelines.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     with pytest.raises(RuntimeError, match=r"stale.*train@vpo-s7.*vpo dvc"):
         fplan.make_plan("route", True, tmp_path / "repo" / "pipelines.yaml")
