@@ -184,6 +184,8 @@ def run_streaming(
         start_new_session=True,
     ))
 
+    held: list[str] = []
+
     def pump() -> None:
         assert proc.stdout is not None
         for raw in iter(proc.stdout.readline, b""):
@@ -193,6 +195,9 @@ def run_streaming(
             line = redact(line)
             tail.append(line)
             if stopping():  # the command says once how to resume; the stage's own advice would mislead
+                continue
+            if _STOPPED_LINE.match(line):  # the stage's resume advice: shown only if the command goes on
+                held.append(line)
                 continue
             logger.info("%s | %s", log_prefix, line)
 
@@ -218,9 +223,13 @@ def run_streaming(
     reader.join(timeout=10)
     if stopping():
         raise Stopped(f"{log_prefix}: stopped (exit code {proc.returncode}) because the command is stopping")
+    for line in held:  # the stage alone was signalled: its own line says how to resume it
+        logger.info("%s | %s", log_prefix, line)
     return _Result(rc=proc.returncode, tail=list(tail), seconds=round(time.time() - t0, 1))
 
 
+_STOPPED_LINE = re.compile(r"\[vpo\] (?:interrupted|stopped by \w+)\b")
+"""A stage's own line when a signal stopped it (:func:`vpo.pipeline.console.interrupted`)."""
 _VALIDATION_HEAD = re.compile(r"((?:dataset|reward vectors) '[^']*' failed \d+ of \d+ expectations:?)\s*$")
 _EXITED = re.compile(r"exited with (-?\d+)")
 

@@ -166,13 +166,17 @@ def _outs(repo: Path) -> list[Path]:
 
 
 def _digest(repo: Path) -> dict[str, str]:
+    """Digest of every file of the stages' outputs that DVC tracks (what ``.dvcignore`` excludes is not)."""
+    import pathspec
+
+    ignored = pathspec.PathSpec.from_lines("gitwildmatch", (repo / ".dvcignore").read_text().splitlines())
     out: dict[str, str] = {}
     for path in _outs(repo):
         if path.is_dir():
             out.update({f"{path.relative_to(repo)}/{k}": v for k, v in tree_digest(path).items()})
         else:
             out.update({str(path.relative_to(repo)): tree_digest(path.parent)[path.name]})
-    return out
+    return {k: v for k, v in out.items() if not ignored.match_file(k)}
 
 
 def _ran_and_skipped(output: str) -> tuple[set[str], set[str]]:

@@ -16,9 +16,13 @@ def _module(path: Path) -> str:
 
 
 def _imports(path: Path) -> set[str]:
-    """Every module name an ``import`` / ``from ... import`` in the file names (relative ones resolved)."""
+    """Every module name an ``import`` / ``from ... import`` in the file names (relative ones resolved),
+    except those under ``if TYPE_CHECKING:`` (annotations only: never imported when the code runs)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     package = _module(path) if path.name == "__init__.py" else _module(path).rsplit(".", 1)[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            node.body = []
     found: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):

@@ -46,7 +46,7 @@ def chat_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 @pytest.fixture(scope="module")
 def smol(chat_run: tuple[Path, str]) -> Path:
     """The base stage's one-time import of the GGUF file (the runs folder's model cache)."""
-    (folder,) = (chat_run[0] / "models").iterdir()
+    (folder,) = [p for p in (chat_run[0] / "models").iterdir() if p.is_dir()]  # beside it: its lock file
     return folder
 
 

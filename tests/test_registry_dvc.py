@@ -159,8 +159,7 @@ def _tiny_dvc_project(folder: Path) -> Path:
     raw = yaml.safe_load(path.read_text())
     quick = raw["pipelines"]["route"]["quick"]
     quick["sft"]["steps"] = 8
-    quick["arms"]["grpo_x3"] = {"enabled": False}
-    quick["arms"]["max_at_k"] = {"enabled": False}
+    quick.setdefault("arms", {}).update(grpo_x3={"enabled": False}, max_at_k={"enabled": False})
     quick["search"] = {"enabled": False}
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     for name in ("bin", "vpo"):  # dvc.yaml's commands and code dependencies

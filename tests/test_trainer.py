@@ -77,12 +77,15 @@ def test_short_training_run_changes_parameters_and_logs_vpo_metrics(tmp_path: Pa
     assert torch.allclose(rebuilt, trainer.last_advantages.to(rebuilt.dtype), atol=1e-9)
 
 
-def test_loss_uses_exactly_our_advantages_after_shuffle(tmp_path: Path, model_dir: Path) -> None:
-    """Rows are shuffled and split by TRL; vpo_row_id re-identifies them. The loss TRL computes
-    must equal the on-policy GRPO loss rebuilt by hand from OUR advantages."""
+@pytest.mark.parametrize("share", [False, True])
+def test_loss_uses_exactly_our_advantages_after_shuffle(tmp_path: Path, model_dir: Path, share: bool) -> None:
+    """Rows are shuffled and split by TRL (with a shared prompt prefix: by whole prompt groups);
+    vpo_row_id re-identifies them. The loss TRL computes must equal the on-policy GRPO loss rebuilt by
+    hand from OUR advantages."""
     from vpo.trainer import VPOTrainer
 
     checks: list[tuple[float, float]] = []
+    groups: list[list[int]] = []
 
     class Checking(VPOTrainer):
         def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
@@ -93,19 +96,26 @@ def test_loss_uses_exactly_our_advantages_after_shuffle(tmp_path: Path, model_di
             # loss_type grpo, ratio == 1 on-policy, beta == 0: per-sequence mean of -A, batch mean, / accumulation
             hand = -(expected_adv.to(torch.float64) * has_tokens).mean() / self.current_gradient_accumulation_steps
             checks.append((float(loss.detach()), float(hand)))
+            groups.append(sorted(inputs["vpo_row_id"].cpu().tolist()))
             return loss
 
     torch.manual_seed(1)
     model, tok = _load(model_dir)
     cfg = config(tmp_path, loss_type="grpo", gradient_accumulation_steps=2, per_device_train_batch_size=4,
-                 steps_per_generation=2, max_steps=2, estimator="vpo")
+                 steps_per_generation=2, max_steps=2, estimator="vpo", share_prompt_prefix=share)
     trainer = Checking(model=model, reward=LetterReward(), args=cfg, train_dataset=toy_dataset(8),
                        processing_class=tok)
     trainer.train()
     assert len(checks) == 4  # 2 optimizer steps x 2 micro-batches
     for got, hand in checks:
         assert got == pytest.approx(hand, abs=1e-6)
-    assert any(abs(h) > 1e-4 for _, h in checks), "advantages should not all vanish"
+    whole = [ids == list(range(ids[0], ids[0] + 4)) and ids[0] % 4 == 0 for ids in groups]  # G = 4 rows per prompt
+    if share:  # a micro-batch of 4 rows is one whole group, so its z-scored advantages sum to zero
+        assert all(whole), groups
+        assert all(abs(h) < 1e-6 for _, h in checks)
+    else:  # TRL's row shuffle mixes groups across micro-batches
+        assert not all(whole), groups
+        assert any(abs(h) > 1e-4 for _, h in checks), "advantages should not all vanish"
 
 
 def test_estimator_arm_changes_advantages(tmp_path: Path, model_dir: Path) -> None:

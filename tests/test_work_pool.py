@@ -55,8 +55,7 @@ def _small_quick(repo: Path) -> None:
                                         "num_attention_heads": 2, "num_key_value_heads": 1}
     route["trainer"]["truncated_scores_zero"] = False
     quick = route["quick"]
-    quick["arms"]["grpo_x3"]["enabled"] = False
-    quick["arms"]["max_at_k"]["enabled"] = False
+    quick.setdefault("arms", {}).update(grpo_x3={"enabled": False}, max_at_k={"enabled": False})
     quick["trainer"].update(max_steps=2, save_steps=2)
     quick["evaluation"].update(n_samples=5, max_problems=4)
     quick["search"] = {"enabled": False}
