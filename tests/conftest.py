@@ -25,6 +25,15 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ.setdefault(key, value)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """With ``-n N --dist loadgroup`` (``make test``): a test file runs on one worker, so its
+    module-wide fixtures (a quick run, a chat run) are built once, and every test of the session's
+    quick flow, whatever its file, runs on the worker that built it."""
+    for item in items:
+        group = "quick_flow" if "quick_flow" in getattr(item, "fixturenames", ()) else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 from collections.abc import Iterator
 
 

@@ -287,9 +287,9 @@ def check_plan(ctx: Any, args: Any) -> Plan:
     if main_process and plan.above_available:
         log(f"warning: train@{run.rid}: the memory plan ({format_bytes(plan.peak)}) is more than the RAM free now "
             f"({format_bytes(device.available or 0)} of {format_bytes(device.memory)}); other processes hold the rest")
-    if main_process:
+    if main_process:  # a plan that fits is the log file's (the console says only what needs a decision)
         step = f"; about {plan.step_seconds:.1f} s per step (estimated)" if plan.seconds else ""
-        log(f"train@{run.rid}: memory plan {format_bytes(plan.peak)} of {format_bytes(device.memory)} per device "
+        detail(f"train@{run.rid}: memory plan {format_bytes(plan.peak)} of {format_bytes(device.memory)} per device "
             f"({plan.verdict}){step}")
     return plan
 
