@@ -34,7 +34,7 @@ quick: install
 	$(BIN)/vpo run --quick $(ARGS)
 
 test: install
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup $(ARGS)
+	$(BIN)/python -m pytest -q $(ARGS)
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow and not integration" $(ARGS)

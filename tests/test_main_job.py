@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -83,7 +84,9 @@ def test_console_is_one_line_per_stage_event_and_the_log_file_has_the_rest(quick
         assert noise not in stdout, noise
     table = (run / "eval" / "table.md").read_text().strip()
     assert stdout.count(table.splitlines()[0]) == 1  # the evaluation table is printed once
-    assert len(lines) < 76, len(lines)  # 4 of them state each train run's batch (prompts, completions)
+    # a bar's intermediate states come every PLAIN_BAR_INTERVAL_S, so their number depends on the machine's speed
+    fixed = [ln for ln in lines if not re.match(r"^\S.*: \d+/\d+ \w+ +\d+% in \d+ s", ln) or " 100% in " in ln]
+    assert len(fixed) < 76, len(fixed)  # 4 of them state each train run's batch (prompts, completions)
     log_line = lines[-1]
     assert log_line.startswith("[vpo] full log: "), log_line
     logs = list((run / "logs").glob("*-run.log"))
