@@ -46,13 +46,12 @@ def _free_port() -> int:
 
 
 def _small_quick(repo: Path) -> None:
-    """Two arms, two steps, a 1-layer base, no search: the mechanics, fast; completions cut at the
-    token limit are scored too, so both arms get non-zero advantages and their weights move apart."""
+    """Two arms, two steps, no search: the mechanics, fast. The quick preset's base (a 1-layer one
+    parsed its answers but scored zero everywhere, so neither arm moved); completions cut at the token
+    limit are scored too, so both arms get non-zero advantages and their weights move apart."""
     path = repo / "pipelines.yaml"
     raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     route = raw["pipelines"]["route"]
-    route["model"]["builder_params"] = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-                                        "num_attention_heads": 2, "num_key_value_heads": 1}
     route["trainer"]["truncated_scores_zero"] = False
     quick = route["quick"]
     quick.setdefault("arms", {}).update(grpo_x3={"enabled": False}, max_at_k={"enabled": False})
