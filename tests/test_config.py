@@ -657,7 +657,7 @@ def test_a_full_disk_at_start_is_one_error_line(tmp_path: Path, where: str, caps
         monkeypatch.setattr(builtins, "open", full_open)
     code, err = _cli(["run", "--quick", "--config", str(path)], capsys)
     assert code == 2
-    _one_error_line(err, "error: disk full at ", "No space left on device", "free space and run `vpo run --quick")
+    _one_error_line(err, "error: disk full at ", "No space left on device", "free space and run `", "vpo run --quick --config")
     expected = tmp_path / "runs" / "route-quick" / ("logs" if where == "log" else "")
     assert f"disk full at {expected}" in err
 

@@ -323,8 +323,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from vpo.pipeline.layout import RunLayout
 
         where = exc.filename or RunLayout.of(cfg).root
-        _fail(f"disk full at {where} ({exc.strerror or exc}); free space and run `vpo {' '.join(argv)}` again")
-    return 2
+        _fail(f"disk full at {where} ({exc.strerror or exc}); free space and run `{console.command(*argv)}` again")
+    return 2  # not reached: _fail exits
 
 
 def _job(args: argparse.Namespace, cfg: Any) -> int:
