@@ -220,22 +220,28 @@ def test_a_run_with_other_settings_than_params_yaml_leaves_dvc_lock_alone(tmp_pa
 @pytest.mark.slow
 @pytest.mark.integration
 def test_quick_pipeline_on_an_s3_remote_promoted_arm_comes_back_byte_identical_in_a_fresh_clone(
-        quick_flow, tmp_path: Path) -> None:
-    """The session's quick flow ran every quick stage with an S3 DVC remote and registry and pushed. Commit
-    its dvc.lock, register (GTO versions), promote vpo-s0 to production; a fresh clone gets byte-identical
-    weights with `vpo registry fetch production` and `dvc artifacts get --stage production`, and `gto show`
-    lists the stage."""
+        quick_flow, s3_bucket: str, tmp_path: Path) -> None:
+    """The session's quick flow ran every quick stage with an S3 DVC remote and registry. A copy of its
+    repository pushes its outputs to a bucket of its own (other tests point the flow's repository at
+    other buckets, some of them unreachable), commits its dvc.lock, registers (GTO versions) and promotes
+    vpo-s0 to production; a fresh clone gets byte-identical weights with `vpo registry fetch production`
+    and `dvc artifacts get --stage production`, and `gto show` lists the stage."""
     from tests.test_faults_support import run_vpo
+    from vpo.pipeline.storage import configure_dvc_remote
 
     assert quick_flow.state.is_completed(), quick_flow.state.message
     repo, clone = tmp_path / "repo", tmp_path / "clone"
     skip = quick_flow.repo / ".dvc" / "tmp"
     shutil.copytree(quick_flow.repo, repo, symlinks=True, ignore=lambda d, names: names if Path(d) == skip else [])
-    config = repo / "pipelines.yaml"  # a registry of its own: other tests read the flow's entries as the flow left them
+    bucket = s3_bucket
+    config = repo / "pipelines.yaml"
     raw = yaml.safe_load(config.read_text())
-    raw["pipelines"]["route"]["storage"]["registry"] = f"s3://{quick_flow.bucket}/registry-promoted"
+    raw["pipelines"]["route"]["storage"].update(dvc_remote=f"s3://{bucket}/dvc", registry=f"s3://{bucket}/registry")
     config.write_text(yaml.safe_dump(raw, sort_keys=False))
     sh(sys.executable, "-m", "vpo.pipeline.cli", "dvc", cwd=repo)  # params.yaml follows (no stage reads storage)
+    configure_dvc_remote(repo, f"s3://{bucket}/dvc", name="storage")
+    stages = [n for n in yaml.safe_load((repo / "dvc.lock").read_text())["stages"] if n.startswith("route-quick-")]
+    sh("dvc", "push", "-r", "storage", *stages, cwd=repo)
     sh("git", "add", "pipelines.yaml", "params.yaml", "dvc.lock", cwd=repo)
     sh("git", "commit", "-qm", "the quick run", cwd=repo)
     for argv in (["stage", "register", "--quick"], ["registry", "promote", "route-quick-vpo-s0", "--stage", "production"]):
