@@ -12,9 +12,10 @@ linked in, so both modes use the same installation and neither pays for `make in
 
 One after the other, never at the same time; run it on a quiet machine (other jobs on the cores
 make both numbers meaningless). Each training run uses the same number of torch threads in both
-modes (vpo/pipeline/execution.py), so their results must be identical: the script compares every
-arm's weights (sha256) and the evaluation metrics of every policy, and prints both evaluation tables,
-the two wall times and their ratio (the target is at most 0.65). ``--out FILE`` also writes them as JSON.
+modes, and so does each arm's search (vpo/pipeline/execution.py), so their results must be identical:
+the script compares every arm's weights (sha256), the evaluation metrics of every policy (without
+their wall times) and the search results, and prints both evaluation tables, each stage's time, the
+two wall times and their ratio (the target is at most 0.65). ``--out FILE`` also writes them as JSON.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -62,6 +64,22 @@ def _weights(run: Path) -> dict[str, str]:
             for p in sorted((run / "arms").glob("*/model/model.safetensors"))}
 
 
+def _metrics(run: Path) -> dict[str, Any]:
+    """Every policy's evaluation metrics without its wall time (``seconds``)."""
+    runs = json.loads((run / "eval" / "metrics.json").read_text())["runs"]
+    return {rid: {k: v for k, v in m.items() if k != "seconds"} for rid, m in runs.items()}
+
+
+def _stage_seconds(log: Path) -> dict[str, int]:
+    """``{"base": 329, "train@vpo-s0": 200, ...}`` from the console's ``[vpo] X: done in N s`` lines."""
+    out = {}
+    for line in log.read_text().splitlines():
+        m = re.match(r"\[vpo\] (\S+): done in (\d+) s", line)
+        if m:
+            out[m.group(1)] = int(m.group(2))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="the quick preset (make quick) instead of the main job")
@@ -84,24 +102,30 @@ def main(argv: list[str] | None = None) -> int:
         at_once = next((ln.split("[vpo] ", 1)[1] for ln in log.read_text().splitlines() if "training runs, " in ln),
                        "training runs one after another")
         results["modes"][mode] = {"seconds": round(seconds, 1), "parallelism": at_once, "log": str(log),
-                                  "weights": _weights(run),
-                                  "metrics": json.loads((run / "eval" / "metrics.json").read_text())["runs"],
-                                  "table": (run / "eval" / "table.md").read_text()}
+                                  "stages": _stage_seconds(log), "weights": _weights(run), "metrics": _metrics(run),
+                                  "search": json.loads((run / "search" / "results.json").read_text()),
+                                  "table": (run / "eval" / "table.md").read_text(),
+                                  "search_table": (run / "search" / "table.md").read_text()}
         print(f"{mode}: {seconds:.1f} s ({at_once})", flush=True)
     seq, par = results["modes"]["sequential"], results["modes"]["default"]
     results["ratio"] = round(par["seconds"] / seq["seconds"], 3)
     results["identical_weights"] = seq["weights"] == par["weights"]
     results["identical_metrics"] = seq["metrics"] == par["metrics"]
+    results["identical_search"] = seq["search"] == par["search"]
     for mode in MODES:
-        print(f"\n## {mode}: evaluation table\n\n{results['modes'][mode]['table']}")
-    print(f"sequential {seq['seconds']:.1f} s, default {par['seconds']:.1f} s: ratio {results['ratio']:.2f} "
+        r = results["modes"][mode]
+        print(f"\n## {mode}: evaluation table\n\n{r['table']}\n## {mode}: search table\n\n{r['search_table']}")
+    print("| stage | " + " | ".join(MODES) + " |\n|---|" + "---|" * len(MODES))
+    for stage in seq["stages"]:
+        print(f"| {stage} | " + " | ".join(f"{results['modes'][m]['stages'].get(stage, '')} s" for m in MODES) + " |")
+    print(f"\nsequential {seq['seconds']:.1f} s, default {par['seconds']:.1f} s: ratio {results['ratio']:.2f} "
           f"(target <= 0.65); weights identical: {results['identical_weights']}; evaluation identical: "
-          f"{results['identical_metrics']}")
+          f"{results['identical_metrics']}; search identical: {results['identical_search']}")
     if args.out:
-        slim = {**results, "modes": {m: {k: v for k, v in r.items() if k != "metrics"}
+        slim = {**results, "modes": {m: {k: v for k, v in r.items() if k not in ("metrics", "search")}
                                      for m, r in results["modes"].items()}}
         args.out.write_text(json.dumps(slim, indent=2) + "\n")
-    return 0 if results["identical_weights"] and results["identical_metrics"] else 1
+    return 0 if results["identical_weights"] and results["identical_metrics"] and results["identical_search"] else 1
 
 
 if __name__ == "__main__":

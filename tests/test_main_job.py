@@ -86,7 +86,8 @@ def test_console_is_one_line_per_stage_event_and_the_log_file_has_the_rest(quick
     assert stdout.count(table.splitlines()[0]) == 1  # the evaluation table is printed once
     # a bar's intermediate states come every PLAIN_BAR_INTERVAL_S, so their number depends on the machine's speed
     fixed = [ln for ln in lines if not re.match(r"^\S.*: \d+/\d+ \w+ +\d+% in \d+ s", ln) or " 100% in " in ln]
-    assert len(fixed) < 76, len(fixed)  # 4 of them state each train run's batch (prompts, completions)
+    # 4 of them state each train run's batch (prompts, completions), 5 the search's arms side by side
+    assert len(fixed) < 81, len(fixed)
     log_line = lines[-1]
     assert log_line.startswith("[vpo] full log: "), log_line
     logs = list((run / "logs").glob("*-run.log"))
@@ -136,9 +137,10 @@ def test_quick_preset_learns(quick_run: tuple[Path, str]) -> None:
 
 def test_weights_and_metrics_do_not_depend_on_running_side_by_side(quick_run: tuple[Path, str],
                                                                    tmp_path: Path) -> None:
-    """The quick preset's training runs once more from the same data, rewards and base, the other way
-    round (one after another if they ran side by side, else two at once; one torch thread per run both
-    times): every arm's weights are byte-identical and so is the evaluation of every policy."""
+    """The quick preset's training and search run once more from the same data, rewards and base, the
+    other way round (one after another if they ran side by side, else two at once; one torch thread per
+    run both times): every arm's weights are byte-identical, and so are the evaluation of every policy
+    and every arm's search."""
     import hashlib
 
     run, stdout = quick_run
@@ -149,12 +151,14 @@ def test_weights_and_metrics_do_not_depend_on_running_side_by_side(quick_run: tu
     for stage in ("data", "rewards", "base"):
         shutil.copytree(run / stage, other / "runs" / "route-quick" / stage)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([str(VPO), "run", "--quick", "--no-search", "--config", "pipelines.yaml", "--set",
+    proc = subprocess.run([str(VPO), "run", "--quick", "--config", "pipelines.yaml", "--set",
                            f"execution.max_parallel={1 if side_by_side else 2}"],
                           cwd=other, env=env, capture_output=True, text=True, timeout=900, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[vpo] base: up to date" in proc.stdout
     assert ("4 training runs, 2 at once" in proc.stdout) is not side_by_side, proc.stdout[-3000:]
+    assert ("[vpo] search: 4 arms, 2 at once" in proc.stdout) is not side_by_side, proc.stdout[-3000:]
+    assert ("[vpo] search: 4 arms, 2 at once" in stdout) is side_by_side
     for arm in ("grpo-s0", "vpo-s0", "grpo_x3-s0", "max_at_k-s0"):
         digests = {hashlib.sha256((root / "arms" / arm / "model" / "model.safetensors").read_bytes()).hexdigest()
                    for root in (run, other / "runs" / "route-quick")}
@@ -165,6 +169,8 @@ def test_weights_and_metrics_do_not_depend_on_running_side_by_side(quick_run: tu
 
     ours = results(other / "runs" / "route-quick" / "eval" / "metrics.json")
     assert ours == results(run / "eval" / "metrics.json")
+    for name in ("results.json", "selection.json", "table.md"):
+        assert (other / "runs" / "route-quick" / "search" / name).read_bytes() == (run / "search" / name).read_bytes()
 
 
 def test_rerun_redoes_only_what_changed_and_says_why(quick_run: tuple[Path, str]) -> None:

@@ -260,7 +260,7 @@ def test_a_failed_training_run_becomes_the_commands_one_error(tmp_path: Path) ->
     layout = RunLayout(tmp_path / "runs" / RUN_NAME, RUN_NAME)
 
     def child(label: str, rc: int, errors: list[str], tail: list[str]) -> object:
-        return SimpleNamespace(step=SimpleNamespace(label=label), proc=SimpleNamespace(returncode=rc),
+        return SimpleNamespace(label=label, proc=SimpleNamespace(returncode=rc),
                                errors=errors, tail=deque(tail))
 
     locked = _failure([child("train@vpo-s0", 3, ["error: arm vpo-s0 of pipeline x is already running"], [])], layout)
@@ -272,3 +272,21 @@ def test_a_failed_training_run_becomes_the_commands_one_error(tmp_path: Path) ->
     crash = _failure([child("train@vpo-s0", -9, [], ["step 1", "Killed"])], layout)
     assert isinstance(crash, StageProcessFailed) and str(crash).startswith("train@vpo-s0 exited with -9")
     assert str(crash).endswith("  step 1\n  Killed")
+
+
+def test_a_failed_process_stops_the_queue_and_the_call_returns(tmp_path: Path) -> None:
+    """One slot, three commands, the first fails: the other two never start and the call raises the
+    first's failure instead of waiting for slots that will never be asked for."""
+    from vpo.pipeline.execution import ExecutionPlan
+    from vpo.pipeline.layout import RunLayout
+    from vpo.pipeline.runner import StageProcessFailed, run_processes
+
+    layout = RunLayout(tmp_path / "runs" / RUN_NAME, RUN_NAME)
+    layout.root.mkdir(parents=True)
+    done: list[str] = []
+    jobs = [("first", ["stage", "no-such-stage"]), ("second", ["pipelines"]), ("third", ["pipelines"])]
+    with pytest.raises(StageProcessFailed) as err:
+        run_processes(jobs, ExecutionPlan(1, 1, 0, Machine(cores=2), "one slot"), layout=layout,
+                      on_done=done.append, poll_s=0.05)
+    assert str(err.value).startswith("first exited with 2;") and "more:" not in str(err.value)
+    assert done == []

@@ -1,7 +1,7 @@
 """The ``vpo`` command: the main job, single stages (what dvc.yaml calls), the Prefect UI and cron.
 
     vpo run [--pipeline P] [--quick] [--set K=V]    every stage in this process, final tables printed
-    vpo stage NAME [--pipeline P] [--quick] [--arm A --seed S] [--force]
+    vpo stage NAME [--pipeline P] [--quick] [--arm A [--seed S]] [--force]
     vpo stage NAME --variant V [--params params.yaml]   the settings of a generated params.yaml (dvc.yaml)
     vpo flow | ui | serve [--pipeline P] [--quick] [--set K=V]   the Prefect retrain flow (flows/cli.py)
     vpo dvc [--check] [--add V] [--remove V]        regenerate (or check) dvc.yaml and params.yaml
@@ -140,7 +140,7 @@ def _parser_and_handlers() -> tuple[argparse.ArgumentParser, dict[str, Handler]]
                              description="Run one stage if its output is not up to date.\n\nstages:\n" + stage_help)
     p_stage.add_argument("name", choices=[s.name for s in STAGES], metavar="NAME", help="the stage (see above)")
     add_common_options(p_stage)
-    p_stage.add_argument("--arm", default=None, help="train: only this arm")
+    p_stage.add_argument("--arm", default=None, help="train: only this arm; search: only this arm's search")
     p_stage.add_argument("--seed", type=int, default=None, help="train: only this seed")
     p_stage.add_argument("--force", action="store_true", help="run even when the output is up to date")
     handlers.update(_registered_commands(sub))
@@ -225,9 +225,11 @@ def _stage(args: argparse.Namespace, cfg: Any) -> int:
     from vpo.pipeline.stages.train import CHILD_ENV
 
     steps = plan(cfg, [args.name])
+    if args.name == "search" and args.arm is not None and args.seed is None:
+        return _search_shard(cfg, args.arm)
     if args.arm is not None or args.seed is not None:
         if args.name != "train":
-            _fail("--arm/--seed select a run of the train stage only")
+            _fail("--arm/--seed select a run of the train stage (or --arm one arm of the search stage) only")
         steps = [s for s in steps if (args.arm is None or s.run.arm.name == args.arm)
                  and (args.seed is None or s.run.seed == args.seed)]
         if not steps:
@@ -248,6 +250,26 @@ def _stage(args: argparse.Namespace, cfg: Any) -> int:
         for step in steps:
             results[step.label] = run_step(cfg, step, layout=layout, force=args.force)
     print(json.dumps({"stage": args.name, "ok": True, "steps": sorted(results)}, default=str))
+    return 0
+
+
+def _search_shard(cfg: Any, arm: str) -> int:
+    """``vpo stage search --arm A``: one arm's search into the stage's checkpoints, beside the others
+    (``vpo stage search`` starts these itself when arms can search at once, then puts them together)."""
+    import time
+
+    from vpo.pipeline.console import stage_done
+    from vpo.pipeline.context import StageContext
+    from vpo.pipeline.layout import RunLayout
+    from vpo.pipeline.locking import pipeline_lock
+    from vpo.pipeline.stages.search import search_shard
+
+    layout = RunLayout.of(cfg)
+    t0 = time.time()
+    with pipeline_lock(layout.root, cfg.variant, arm=f"search-{arm}"):
+        ctx = StageContext(cfg, layout, "search", None, None, progress=False)
+        search_shard(ctx, arm)
+    stage_done(f"search@{arm}", time.time() - t0, ctx.notes.get("outcome"))
     return 0
 
 

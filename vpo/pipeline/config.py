@@ -544,16 +544,16 @@ class SearchConfig(_Strict):
 
 
 class ExecutionConfig(_Strict):
-    """How independent stages (the arm x seed training runs) share the machine; read by
-    :mod:`vpo.pipeline.execution`. Results never depend on these: each run's thread count is the same
-    whether it trains alone or beside others."""
+    """How independent stages (the arm x seed training runs, each arm's search) share the machine; read
+    by :mod:`vpo.pipeline.execution`. Results never depend on these: each run's thread count is the
+    same whether it runs alone or beside others."""
 
     max_parallel: PositiveInt | None = Field(
         default=None, description="independent stages at once (None: derived from cores, GPUs and each run's "
         "threads and devices; 1: one after another)"
     )
     threads_per_stage: PositiveInt | None = Field(
-        default=None, description="torch threads of each training run (None: OMP_NUM_THREADS if set, else the "
+        default=None, description="torch threads of each training run and arm search (None: OMP_NUM_THREADS if set, else the "
         "cores divided among the runs that fit at once)"
     )
 

@@ -1,8 +1,9 @@
 """How many independent stages run at once, and what each one gets: torch threads and GPUs.
 
 The independent stages of a plan are its arm x seed training runs (they read the same inputs and
-write separate folders). ``execution.max_parallel`` bounds how many train at once; by default it is
-derived from the machine and from what one run declares it needs:
+write separate folders), and within the search stage, each arm's search. ``execution.max_parallel``
+bounds how many run at once; by default it is derived from the machine and from what one run
+declares it needs:
 
 * **devices**: a run's GPUs: ``num_processes`` of its ``trainer.accelerate_config``, else 1 when a GPU
   is visible, else 0. Runs at once never exceed ``GPUs // devices``, and each concurrent run sees only
@@ -14,9 +15,9 @@ derived from the machine and from what one run declares it needs:
   (tests/test_parallel.py checks it on the quick preset).
 * **max_parallel** (default): ``min(runs, cores // threads, GPUs // devices)``, at least 1.
 
-The same numbers serve ``vpo run`` (each concurrent run is its own ``vpo stage train`` process) and the
-Prefect flow (task fan-out); a stage process reads its thread count from :data:`THREADS_ENV` when
-its parent set it, so both agree.
+The same numbers serve ``vpo run`` (each concurrent run is its own ``vpo stage train`` process), the
+Prefect flow (task fan-out) and the search stage (each arm a ``vpo stage search --arm A`` process); a
+stage process reads its thread count from :data:`THREADS_ENV` when its parent set it, so all agree.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +36,7 @@ from vpo.pipeline.layout import RunLayout, arm_runs
 from vpo.pipeline.settings import check_hardware
 from vpo.pipeline.state import Fingerprint, code_hashes, content_digest, read_state, why_stale, write_state
 
-__all__ = ["StageProcessFailed", "fingerprint", "independent_groups", "run_all", "run_side_by_side", "run_step",
+__all__ = ["StageProcessFailed", "fingerprint", "independent_groups", "run_all", "run_processes", "run_side_by_side", "run_step",
            "staleness"]
 
 
@@ -178,7 +178,7 @@ class StageProcessFailed(RuntimeError):
 
 @dataclass
 class _Child:
-    step: Step
+    label: str
     slot: Slot
     proc: subprocess.Popen[bytes]
     started: float
@@ -197,10 +197,11 @@ def _shown(line: str, label: str) -> bool:
     return line.startswith(("[vpo] ", f"{label}: ", "error:", "warning:"))
 
 
-def _pump(child: _Child, label: str) -> None:
+def _pump(child: _Child) -> None:
     """Relay a stage process's output line by line: stage events to the console, everything to the
     log file (``label | ...``)."""
     assert child.proc.stdout is not None
+    label = child.label
     for raw in iter(child.proc.stdout.readline, b""):
         line = raw.decode("utf-8", "replace").rstrip("\n").split("\r")[-1].rstrip()
         if not line or line.startswith('{"stage": '):  # `vpo stage`'s own JSON summary
@@ -215,19 +216,16 @@ def _pump(child: _Child, label: str) -> None:
             relay(f"{label} | {line}", console=False)
 
 
-def _start_child(cfg: PipelineConfig, step: Step, slot: Slot, layout: RunLayout, force: bool) -> _Child:
+def _start_child(label: str, argv: Sequence[str], slot: Slot, layout: RunLayout) -> _Child:
     from vpo.pipeline.locking import child_env
     from vpo.pipeline.processes import track
 
-    assert step.run is not None
-    argv = [sys.executable, "-m", "vpo.pipeline.cli", "stage", step.stage.name, *cfg.cli_args(),
-            "--arm", step.run.arm.name, "--seed", str(step.run.seed), *(["--force"] if force else [])]
     env = {**os.environ, **slot.env(), **child_env(layout.root), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env=env, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-m", "vpo.pipeline.cli", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
     track(proc)
-    child = _Child(step, slot, proc, time.time())
-    child.reader = threading.Thread(target=_pump, args=(child, step.label), name=f"relay-{step.label}", daemon=True)
+    child = _Child(label, slot, proc, time.time())
+    child.reader = threading.Thread(target=_pump, args=(child,), name=f"relay-{label}", daemon=True)
     child.reader.start()
     return child
 
@@ -238,34 +236,33 @@ def _failure(children: list[_Child], layout: RunLayout) -> BaseException:
 
     first = children[0]
     rc = first.proc.returncode
-    others = (f" (and {len(children) - 1} more: {', '.join(c.step.label for c in children[1:])})"
+    others = (f" (and {len(children) - 1} more: {', '.join(c.label for c in children[1:])})"
               if len(children) > 1 else "")
     line = first.errors[-1].removeprefix("error:").strip() if first.errors else ""
     if rc == EXIT_LOCKED and line:
-        return LockBusyError(f"{first.step.label}: {line}{others}", layout.root / LOCK_NAME, None)
+        return LockBusyError(f"{first.label}: {line}{others}", layout.root / LOCK_NAME, None)
     if rc == EXIT_BAD_INPUT and line:
-        return StageError(f"{first.step.label}: {line}{others}")
+        return StageError(f"{first.label}: {line}{others}")
     tail = "\n".join(f"  {t}" for t in list(first.tail)[-15:])
-    return StageProcessFailed(f"{first.step.label} exited with {rc}{others}; its last output:\n{tail}")
+    return StageProcessFailed(f"{first.label} exited with {rc}{others}; its last output:\n{tail}")
 
 
-def run_side_by_side(cfg: PipelineConfig, steps: Sequence[Step], ex: ExecutionPlan, *, layout: RunLayout,
-                     force: bool = False, poll_s: float = 0.2) -> dict[str, Any]:
-    """Run independent per-run steps as ``vpo stage`` processes, at most ``ex.max_parallel`` at once,
-    each in a slot of its own (threads, GPUs). The caller holds the run folder's lock; the processes
-    train beside it. A failed step lets the running ones finish, starts no new one, then raises."""
+def run_processes(jobs: Sequence[tuple[str, Sequence[str]]], ex: ExecutionPlan, *, layout: RunLayout,
+                  on_done: Callable[[str], None] | None = None, poll_s: float = 0.2) -> None:
+    """Run ``vpo`` commands (``(label, argv)``, e.g. ``("train@vpo-s0", ["stage", "train", ...])``),
+    at most ``ex.max_parallel`` at once, each in a slot of its own (threads, GPUs) and allowed to work
+    beside the caller, which holds the run folder's lock. ``on_done(label)`` follows each success. A
+    failure lets the running ones finish, starts no new one, then raises one error for all."""
     from vpo.pipeline.processes import kill_group, untrack
 
-    log(f"{len(steps)} training runs, {ex.max_parallel} at once ({ex.reason}); per-run logs in "
-        f"{_shown_path(layout.logs)}/*-stage-train-*.log")
-    pending, free = list(steps), ex.slots()
+    pending, free = list(jobs), ex.slots()
     running: list[_Child] = []
     failed: list[_Child] = []
-    results: dict[str, Any] = {}
     try:
-        while pending or running:
+        while running or (pending and not failed):
             while pending and free and not failed:
-                running.append(_start_child(cfg, pending.pop(0), free.pop(0), layout, force))
+                label, argv = pending.pop(0)
+                running.append(_start_child(label, argv, free.pop(0), layout))
             for child in [c for c in running if c.proc.poll() is not None]:
                 running.remove(child)
                 if child.reader is not None:
@@ -274,9 +271,8 @@ def run_side_by_side(cfg: PipelineConfig, steps: Sequence[Step], ex: ExecutionPl
                 free.append(child.slot)
                 if child.proc.returncode != 0:
                     failed.append(child)
-                    continue
-                state = read_state(layout.state_file(child.step.stage.name, child.step.rid))
-                results[child.step.label] = dict(state["summary"]) if state else {}
+                elif on_done is not None:
+                    on_done(child.label)
             time.sleep(poll_s)
     finally:
         for child in running:  # interrupted (the signal handler stopped them already) or crashed here
@@ -284,6 +280,28 @@ def run_side_by_side(cfg: PipelineConfig, steps: Sequence[Step], ex: ExecutionPl
             untrack(child.proc)
     if failed:
         raise _failure(failed, layout)
+
+
+def run_side_by_side(cfg: PipelineConfig, steps: Sequence[Step], ex: ExecutionPlan, *, layout: RunLayout,
+                     force: bool = False) -> dict[str, Any]:
+    """Run independent per-run steps as ``vpo stage`` processes (:func:`run_processes`); returns
+    each step's summary."""
+    log(f"{len(steps)} training runs, {ex.max_parallel} at once ({ex.reason}); per-run logs in "
+        f"{_shown_path(layout.logs)}/*-stage-train-*.log")
+    by_label = {s.label: s for s in steps}
+    jobs = []
+    for step in steps:
+        assert step.run is not None
+        jobs.append((step.label, ["stage", step.stage.name, *cfg.cli_args(), "--arm", step.run.arm.name,
+                                  "--seed", str(step.run.seed), *(["--force"] if force else [])]))
+    results: dict[str, Any] = {}
+
+    def done(label: str) -> None:
+        step = by_label[label]
+        state = read_state(layout.state_file(step.stage.name, step.rid))
+        results[label] = dict(state["summary"]) if state else {}
+
+    run_processes(jobs, ex, layout=layout, on_done=done)
     return results
 
 

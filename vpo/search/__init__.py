@@ -15,7 +15,7 @@ from vpo.search.curves import arm_curve, compare_arms, hardest_subset, plot_curv
 from vpo.search.database import Program, ProgramDatabase, dominates, niche_key, pareto_indices, scalarize
 from vpo.search.loop import SearchResult, format_attempts, parent_prompt, run_search, run_search_batch
 from vpo.search.proposer import ModelProposer, OpenAIProposer, Prompt, Proposer, ProposerError
-from vpo.search.runner import load_results, run_arms
+from vpo.search.runner import load_results, run_arms, search_arm
 
 __all__ = [
     "ModelProposer",
@@ -37,6 +37,7 @@ __all__ = [
     "pareto_indices",
     "plot_curves",
     "run_arms",
+    "search_arm",
     "run_best_of_k",
     "run_best_of_k_batch",
     "run_search",

@@ -28,7 +28,7 @@ from vpo.search.database import atomic_write_json
 from vpo.search.loop import SearchResult, run_search_batch
 from vpo.search.proposer import Proposer
 
-__all__ = ["BASELINE_SUFFIX", "load_results", "run_arms"]
+__all__ = ["BASELINE_SUFFIX", "load_results", "run_arms", "search_arm"]
 
 BASELINE_SUFFIX = "/best_of_k"
 
@@ -69,46 +69,11 @@ def run_arms(
     budget = iterations * max(m_of.values()) if budget is None else int(budget)
     results: dict[str, list[SearchResult]] = {}
     for arm, proposer in proposers.items():
-        if BASELINE_SUFFIX in arm:
-            raise ValueError(f"arm name {arm!r} may not contain {BASELINE_SUFFIX!r}")
-        arm_m = m_of[arm]
-        results[arm] = run_search_batch(
-            rows,
-            task,
-            proposer,
-            iterations=-(-budget // arm_m),
-            m=arm_m,
-            seed=seed,
-            budget=budget,
-            checkpoint_path=ck_dir / f"{_slug(arm)}.search.json",
-            checkpoint_every=checkpoint_every,
-            arm=arm,
-            prompt_mode=prompt_mode,
-            stop_when_solved=stop_when_solved,
-            db_options=db_options,
-            initial_programs=initial_programs,
-        )
-        if on_arm_done is not None:
-            on_arm_done(arm, results[arm])
-        if baseline:
-            name = arm + BASELINE_SUFFIX
-            results[name] = run_best_of_k_batch(
-                rows,
-                task,
-                proposer,
-                budget=budget,
-                m=baseline_m or arm_m,
-                seed=seed,
-                checkpoint_path=ck_dir / f"{_slug(arm)}.best_of_k.json",
-                checkpoint_every=checkpoint_every,
-                arm=name,
-                stop_when_solved=stop_when_solved,
-            )
-            if on_arm_done is not None:
-                on_arm_done(name, results[name])
-        close = getattr(proposer, "close", None)
-        if callable(close):
-            close()
+        results.update(search_arm(rows, task, arm, proposer, ck_dir, m=m_of[arm], budget=budget, seed=seed,
+                                  baseline=baseline, baseline_m=baseline_m, prompt_mode=prompt_mode,
+                                  checkpoint_every=checkpoint_every, stop_when_solved=stop_when_solved,
+                                  db_options=db_options, initial_programs=initial_programs,
+                                  on_arm_done=on_arm_done))
     curves = search_curves(results)
     comparison: dict[str, Any] = {}
     search_arms = [a for a in results if not a.endswith(BASELINE_SUFFIX)]
@@ -133,6 +98,55 @@ def run_arms(
         "comparison": comparison,
         "paths": {k: str(v) for k, v in paths.items()},
     }
+
+
+def search_arm(
+    rows: Sequence[Mapping[str, Any]],
+    task: Any,
+    arm: str,
+    proposer: Proposer,
+    checkpoint_dir: str | Path,
+    *,
+    m: int,
+    budget: int,
+    seed: int = 0,
+    baseline: bool = True,
+    baseline_m: int | None = None,
+    prompt_mode: str = "auto",
+    checkpoint_every: int = 10,
+    stop_when_solved: bool = True,
+    db_options: Mapping[str, Any] | None = None,
+    initial_programs: Callable[[Mapping[str, Any]], Sequence[str]] | None = None,
+    on_arm_done: Callable[[str, Sequence[SearchResult]], None] | None = None,
+) -> dict[str, list[SearchResult]]:
+    """One arm's share of :func:`run_arms`: its search (and best-of-k baseline) at ``budget``
+    candidates, checkpointed in ``checkpoint_dir``; ``{arm: ..., arm/best_of_k: ...}``. Arms are
+    independent, so separate processes may search them; :func:`run_arms` over the same
+    ``checkpoint_dir`` then reads the finished searches back instead of searching again."""
+    if BASELINE_SUFFIX in arm:
+        raise ValueError(f"arm name {arm!r} may not contain {BASELINE_SUFFIX!r}")
+    ck_dir = Path(checkpoint_dir)
+    ck_dir.mkdir(parents=True, exist_ok=True)
+    out: dict[str, list[SearchResult]] = {}
+    out[arm] = run_search_batch(rows, task, proposer, iterations=-(-budget // m), m=m, seed=seed, budget=budget,
+                                checkpoint_path=ck_dir / f"{_slug(arm)}.search.json",
+                                checkpoint_every=checkpoint_every, arm=arm, prompt_mode=prompt_mode,
+                                stop_when_solved=stop_when_solved, db_options=db_options,
+                                initial_programs=initial_programs)
+    if on_arm_done is not None:
+        on_arm_done(arm, out[arm])
+    if baseline:
+        name = arm + BASELINE_SUFFIX
+        out[name] = run_best_of_k_batch(rows, task, proposer, budget=budget, m=baseline_m or m, seed=seed,
+                                        checkpoint_path=ck_dir / f"{_slug(arm)}.best_of_k.json",
+                                        checkpoint_every=checkpoint_every, arm=name,
+                                        stop_when_solved=stop_when_solved)
+        if on_arm_done is not None:
+            on_arm_done(name, out[name])
+    close = getattr(proposer, "close", None)
+    if callable(close):
+        close()
+    return out
 
 
 def load_results(path: str | Path) -> dict[str, list[SearchResult]]:

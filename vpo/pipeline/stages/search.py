@@ -3,8 +3,11 @@
 The problems no arm solves at best@k_max in the evaluation (the hardest subset) come first, then the
 next hardest by mean best@k_max, up to ``search.n_problems``. Every arm gets the same budget of
 answer slots per problem (an m-answer policy spends m per call) and, with ``search.baseline``, a
-best-of-k run with the same budget. Resumable: ``search/checkpoints/`` holds the interrupted search
-of this very request (other settings or checkpoints start fresh) and is deleted once it finished.
+best-of-k run with the same budget. The arms are independent: as many as ``execution.max_parallel``
+allows search at once, each a ``vpo stage search --arm A`` process with a run's threads and GPUs
+(one at a time they search in this process, with the same threads, so the results are the same).
+Resumable: ``search/checkpoints/`` holds the interrupted search of this very request (other settings
+or checkpoints start fresh), finished arms are read back from it, and it is deleted once the stage finished.
 With ``search.method: openevolve`` each checkpoint is served by vLLM and searched by OpenEvolve.
 """
 
@@ -24,11 +27,12 @@ from vpo.pipeline.console import log, progress
 from vpo.pipeline.console import table as table_out
 from vpo.pipeline.context import StageContext
 from vpo.pipeline.errors import StageError
+from vpo.pipeline.execution import execution_plan, stage_threads, torch_threads
 from vpo.pipeline.inputs import load_rows, read_json, read_npy, stage_command
 from vpo.pipeline.layout import RunLayout, arm_runs
 from vpo.pipeline.state import read_state, why_stale, write_state
 
-__all__ = ["run", "search_table"]
+__all__ = ["run", "search_shard", "search_table"]
 
 
 def _fresh_checkpoints(ctx: StageContext, ck_dir: Path) -> None:
@@ -45,20 +49,14 @@ def _fresh_checkpoints(ctx: StageContext, ck_dir: Path) -> None:
         write_state(request, fp, "", {})
 
 
-def run(ctx: StageContext) -> dict[str, Any]:
-    """Select the problems, search them with every arm (and best-of-k), write ``search/``."""
+def _selection(ctx: StageContext) -> tuple[list[dict[str, Any]], list[str], int]:
+    """The problems to search (the hardest subset first, then the next hardest), that subset, and k_max."""
     from vpo.evaluate import scalarise
     from vpo.metrics import pool_best_at_k
-    from vpo.search import ModelProposer, hardest_subset, run_arms
+    from vpo.search import hardest_subset
 
-    cfg, layout, task = ctx.cfg, ctx.layout, ctx.task
-    sc = cfg.search
-    if sc is None or not sc.enabled:
-        log("search: disabled in the pipeline config")
-        return {"enabled": False}
-    if sc.method == "openevolve" and importlib.util.find_spec("openevolve") is None:
-        raise StageError(f"pipeline {cfg.name!r}: search.method is openevolve but the openevolve package is not "
-                         "installed (pip install 'vpo[openevolve]')")
+    cfg, layout, task, sc = ctx.cfg, ctx.layout, ctx.task, ctx.cfg.search
+    assert sc is not None
     fix = f"rebuild it with `{stage_command(cfg, 'evaluate')}`"
     ev = read_json(layout.eval_metrics, fix)
     k_max = max(int(k) for k in ev["k"] if all(str(k) in r["best_at_k"] for r in ev["runs"].values()))
@@ -82,32 +80,109 @@ def run(ctx: StageContext) -> dict[str, Any]:
     mean_best = {pid: float(np.mean([v[pid] for v in per_arm.values()])) for pid in target}
     rest = sorted((pid for pid in target if pid not in set(hard)), key=lambda p: (mean_best[p], p))
     by_id = {str(r["id"]): r for r in rows}
-    selected = [by_id[pid] for pid in (hard + rest)[: sc.n_problems]]
+    return [by_id[pid] for pid in (hard + rest)[: sc.n_problems]], hard, k_max
+
+
+def _proposers(ctx: StageContext) -> dict[str, Any]:
+    """Each arm's first-seed checkpoint as a proposer (loaded on first use)."""
+    from vpo.search import ModelProposer
+
+    cfg, layout = ctx.cfg, ctx.layout
+    return {r.arm.name: ModelProposer(str(layout.arm_model(r.rid)), max_new_tokens=r.arm.completion_length(cfg.trainer),
+                                      system_message=getattr(ctx.task, "system_prompt", None),
+                                      backend="vllm" if cfg.evaluation.use_vllm else "transformers")
+            for r in arm_runs(cfg) if r.seed == r.arm.seeds[0]}
+
+
+def _search_options(cfg: PipelineConfig) -> dict[str, Any]:
+    """The settings every arm's search shares (:func:`vpo.search.run_arms` / ``search_arm``)."""
+    sc = cfg.search
+    assert sc is not None
+    return {"seed": cfg.seed, "baseline": sc.baseline, "prompt_mode": sc.prompt_mode,
+            "checkpoint_every": sc.checkpoint_every, "stop_when_solved": sc.stop_when_solved,
+            "db_options": sc.database.model_dump()}
+
+
+def _budget(cfg: PipelineConfig) -> tuple[dict[str, int], int]:
+    """Answers per call of each arm, and the candidate budget every arm gets."""
+    sc = cfg.search
+    assert sc is not None
+    m_of = {arm.name: arm.num_answers for arm in cfg.enabled_arms}
+    return m_of, (sc.iterations * max(m_of.values()) if sc.budget is None else int(sc.budget))
+
+
+def search_shard(ctx: StageContext, arm: str) -> dict[str, Any]:
+    """One arm's search (and its best-of-k) into ``search/checkpoints/``: what a ``vpo stage search
+    --arm A`` process does beside the others; ``vpo stage search`` then puts the finished arms together."""
+    from vpo.search import search_arm
+
+    proposers = _proposers(ctx)
+    if arm not in proposers:
+        raise StageError(f"search: no enabled arm {arm!r} in pipeline {ctx.cfg.name!r}; arms: {', '.join(proposers)}")
+    selected, _, _ = _selection(ctx)
+    m_of, budget = _budget(ctx.cfg)
+    with torch_threads(stage_threads(ctx.cfg)):
+        out = search_arm(selected, ctx.task, arm, proposers[arm], ctx.layout.search_checkpoints, m=m_of[arm],
+                         budget=budget, **_search_options(ctx.cfg))
+    solved = {name: sum(bool(r.solved) for r in rs) for name, rs in out.items()}
+    ctx.outcome(", ".join(f"{name} solved {n}/{len(selected)}" for name, n in solved.items()))
+    return {"solved": solved}
+
+
+def _shards_side_by_side(ctx: StageContext, arms: Sequence[str], bar: Any) -> None:
+    """Search the arms as ``vpo stage search --arm A`` processes, as many at once as
+    ``execution.max_parallel`` and the machine allow (each with a run's threads and GPUs); nothing
+    when one at a time (the caller searches them in this process, with the same threads)."""
+    from vpo.pipeline.runner import run_processes
+
+    ex = execution_plan(ctx.cfg, len(arms))
+    if len(arms) < 2 or ex.max_parallel < 2:
+        return
+    log(f"search: {len(arms)} arms, {ex.max_parallel} at once ({ex.reason})")
+    per_arm = 2 if ctx.cfg.search is not None and ctx.cfg.search.baseline else 1
+
+    def done(label: str) -> None:
+        if bar is not None:
+            bar.update(per_arm)
+
+    run_processes([(f"search@{arm}", ["stage", "search", *ctx.cfg.cli_args(), "--arm", arm]) for arm in arms], ex,
+                  layout=ctx.layout, on_done=done)
+
+
+def run(ctx: StageContext) -> dict[str, Any]:
+    """Select the problems, search them with every arm (and best-of-k), write ``search/``."""
+    from vpo.search import run_arms
+
+    cfg, layout, task = ctx.cfg, ctx.layout, ctx.task
+    sc = cfg.search
+    if sc is None or not sc.enabled:
+        log("search: disabled in the pipeline config")
+        return {"enabled": False}
+    if sc.method == "openevolve" and importlib.util.find_spec("openevolve") is None:
+        raise StageError(f"pipeline {cfg.name!r}: search.method is openevolve but the openevolve package is not "
+                         "installed (pip install 'vpo[openevolve]')")
+    selected, hard, k_max = _selection(ctx)
     out = layout.search
     ctx.invalidate_record()  # search/ is rewritten file by file from here on
     if sc.method == "openevolve":
         return _search_openevolve(cfg, layout, task, selected, out)
-    proposers = {}
-    for r in arm_runs(cfg):
-        if r.seed == r.arm.seeds[0]:
-            proposers[r.arm.name] = ModelProposer(str(layout.arm_model(r.rid)),
-                                                  max_new_tokens=r.arm.completion_length(cfg.trainer),
-                                                  system_message=getattr(task, "system_prompt", None),
-                                                  backend="vllm" if cfg.evaluation.use_vllm else "transformers")
-    m_of = {arm.name: arm.num_answers for arm in cfg.enabled_arms}
+    proposers = _proposers(ctx)
+    m_of, budget = _budget(cfg)
     _fresh_checkpoints(ctx, layout.search_checkpoints)
     bar = progress("search", len(proposers) * (2 if sc.baseline else 1), unit="runs") if ctx.progress else None
+    _shards_side_by_side(ctx, list(proposers), bar)
+    shards_done = bar is not None and bar.n >= bar.total
 
     def arm_done(arm: str, results: Sequence[Any]) -> None:
-        if bar is not None:
+        if bar is not None and not shards_done:
             bar.numbers(note=f"{arm}: solved {sum(bool(r.solved) for r in results)}/{len(results)}")
             bar.update()
 
-    result = run_arms(task, selected, proposers, out, iterations=sc.iterations, m=m_of, budget=sc.budget,
-                      seed=cfg.seed, baseline=sc.baseline, prompt_mode=sc.prompt_mode,
-                      checkpoint_every=sc.checkpoint_every, stop_when_solved=sc.stop_when_solved,
-                      db_options=sc.database.model_dump(), on_arm_done=arm_done,
-                      title=f"{cfg.variant}: search on {len(selected)} held-out problems ({len(hard)} hardest first)")
+    # the arms the processes above searched are read back from their finished checkpoints
+    with torch_threads(stage_threads(cfg)):
+        result = run_arms(task, selected, proposers, out, m=m_of, budget=budget, on_arm_done=arm_done,
+                          title=f"{cfg.variant}: search on {len(selected)} held-out problems ({len(hard)} hardest first)",
+                          **_search_options(cfg))
     if bar is not None:
         bar.numbers(note="")
         bar.close()
