@@ -253,9 +253,9 @@ def test_a_failed_training_run_becomes_the_commands_one_error(tmp_path: Path) ->
     from types import SimpleNamespace
 
     from vpo.pipeline.errors import StageError
+    from vpo.pipeline.fanout import StageProcessFailed, _failure
     from vpo.pipeline.layout import RunLayout
     from vpo.pipeline.locking import LockBusyError
-    from vpo.pipeline.runner import StageProcessFailed, _failure
 
     layout = RunLayout(tmp_path / "runs" / RUN_NAME, RUN_NAME)
 
@@ -278,8 +278,8 @@ def test_a_failed_process_stops_the_queue_and_the_call_returns(tmp_path: Path) -
     """One slot, three commands, the first fails: the other two never start and the call raises the
     first's failure instead of waiting for slots that will never be asked for."""
     from vpo.pipeline.execution import ExecutionPlan
+    from vpo.pipeline.fanout import StageProcessFailed, run_processes
     from vpo.pipeline.layout import RunLayout
-    from vpo.pipeline.runner import StageProcessFailed, run_processes
 
     layout = RunLayout(tmp_path / "runs" / RUN_NAME, RUN_NAME)
     layout.root.mkdir(parents=True)

@@ -37,11 +37,11 @@ __all__ = [
     "pareto_indices",
     "plot_curves",
     "run_arms",
-    "search_arm",
     "run_best_of_k",
     "run_best_of_k_batch",
     "run_search",
     "run_search_batch",
     "scalarize",
+    "search_arm",
     "search_curves",
 ]

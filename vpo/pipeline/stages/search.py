@@ -133,7 +133,7 @@ def _shards_side_by_side(ctx: StageContext, arms: Sequence[str], bar: Any) -> No
     """Search the arms as ``vpo stage search --arm A`` processes, as many at once as
     ``execution.max_parallel`` and the machine allow (each with a run's threads and GPUs); nothing
     when one at a time (the caller searches them in this process, with the same threads)."""
-    from vpo.pipeline.runner import run_processes
+    from vpo.pipeline.fanout import run_processes
 
     ex = execution_plan(ctx.cfg, len(arms))
     if len(arms) < 2 or ex.max_parallel < 2:
