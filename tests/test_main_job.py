@@ -228,3 +228,23 @@ def test_report_to_reaches_the_trainer_end_to_end(quick_run: tuple[Path, str]) -
     assert {"train/loss", "train/vpo/expected_max", "train/vpo/frac_unparsed"} <= tags, sorted(tags)
     assert (run / "arms" / "vpo-s0" / "live" / "plots" / "metrics" / "vpo" / "expected_max.tsv").is_file()
     assert not (run / "arms" / "vpo-s0" / "trainer").exists()  # resume state gone, the curves kept
+
+
+def test_one_arms_search_beside_the_others_refuses_another_requests_checkpoint(quick_run: tuple[Path, str]) -> None:
+    """`vpo stage search --arm vpo` (what the search stage starts per arm) finds a checkpoint of another
+    search: one error line naming it and the command that starts afresh, exit 2, no traceback."""
+    run, _ = quick_run
+    ck_dir = run / "search" / "checkpoints"
+    ck_dir.mkdir()
+    stale = ck_dir / "vpo.search.json"
+    stale.write_text(json.dumps({"version": 1, "fingerprint": {"seed": 12345}, "step": 0, "problems": []}))
+    try:
+        proc = subprocess.run([str(VPO), "stage", "search", "--quick", "--config", "pipelines.yaml", "--arm", "vpo"],
+                              cwd=run.parents[1], env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                              text=True, timeout=600, check=False)
+    finally:
+        shutil.rmtree(ck_dir)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    errors = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stdout + proc.stderr
+    assert f"{stale}: checkpoint" in errors[0] and "vpo stage search --pipeline route --quick" in errors[0]

@@ -121,9 +121,15 @@ def search_shard(ctx: StageContext, arm: str) -> dict[str, Any]:
         raise StageError(f"search: no enabled arm {arm!r} in pipeline {ctx.cfg.name!r}; arms: {', '.join(proposers)}")
     selected, _, _ = _selection(ctx)
     m_of, budget = _budget(ctx.cfg)
-    with torch_threads(stage_threads(ctx.cfg)):
-        out = search_arm(selected, ctx.task, arm, proposers[arm], ctx.layout.search_checkpoints, m=m_of[arm],
-                         budget=budget, **_search_options(ctx.cfg))
+    try:
+        with torch_threads(stage_threads(ctx.cfg)):
+            out = search_arm(selected, ctx.task, arm, proposers[arm], ctx.layout.search_checkpoints, m=m_of[arm],
+                             budget=budget, **_search_options(ctx.cfg))
+    except ValueError as exc:  # a checkpoint of another request: only the whole stage may start afresh
+        if "checkpoint" not in str(exc):
+            raise
+        raise StageError(f"search@{arm}: {exc}; `{stage_command(ctx.cfg, 'search')}` starts the search afresh "
+                         "when the request changed") from None
     solved = {name: sum(bool(r.solved) for r in rs) for name, rs in out.items()}
     ctx.outcome(", ".join(f"{name} solved {n}/{len(selected)}" for name, n in solved.items()))
     return {"solved": solved}
