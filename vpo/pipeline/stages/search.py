@@ -135,15 +135,15 @@ def search_shard(ctx: StageContext, arm: str) -> dict[str, Any]:
     return {"solved": solved}
 
 
-def _shards_side_by_side(ctx: StageContext, arms: Sequence[str], bar: Any) -> None:
+def _shards_side_by_side(ctx: StageContext, arms: Sequence[str], bar: Any) -> bool:
     """Search the arms as ``vpo stage search --arm A`` processes, as many at once as
-    ``execution.max_parallel`` and the machine allow (each with a run's threads and GPUs); nothing
-    when one at a time (the caller searches them in this process, with the same threads)."""
+    ``execution.max_parallel`` and the machine allow (each with a run's threads and GPUs); whether it
+    did (one at a time, the caller searches them in this process, with the same threads)."""
     from vpo.pipeline.fanout import run_processes
 
     ex = execution_plan(ctx.cfg, len(arms))
     if len(arms) < 2 or ex.max_parallel < 2:
-        return
+        return False
     log(f"search: {len(arms)} arms, {ex.max_parallel} at once ({ex.reason})")
     per_arm = 2 if ctx.cfg.search is not None and ctx.cfg.search.baseline else 1
 
@@ -153,6 +153,7 @@ def _shards_side_by_side(ctx: StageContext, arms: Sequence[str], bar: Any) -> No
 
     run_processes([(f"search@{arm}", ["stage", "search", *ctx.cfg.cli_args(), "--arm", arm]) for arm in arms], ex,
                   layout=ctx.layout, on_done=done)
+    return True
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
@@ -176,11 +177,10 @@ def run(ctx: StageContext) -> dict[str, Any]:
     m_of, budget = _budget(cfg)
     _fresh_checkpoints(ctx, layout.search_checkpoints)
     bar = progress("search", len(proposers) * (2 if sc.baseline else 1), unit="runs") if ctx.progress else None
-    _shards_side_by_side(ctx, list(proposers), bar)
-    shards_done = bar is not None and bar.n >= bar.total
+    searched_beside = _shards_side_by_side(ctx, list(proposers), bar)
 
     def arm_done(arm: str, results: Sequence[Any]) -> None:
-        if bar is not None and not shards_done:
+        if bar is not None and not searched_beside:
             bar.numbers(note=f"{arm}: solved {sum(bool(r.solved) for r in results)}/{len(results)}")
             bar.update()
 
