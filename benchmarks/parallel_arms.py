@@ -8,14 +8,19 @@ linked in, so both modes use the same installation and neither pays for `make in
 ``bin/vpo run`` there and times it:
 
 * ``sequential``: ``--set execution.max_parallel=1``;
-* ``default``: the derived default (on a 2-core CPU machine with four arms: two at once).
+* ``default``: the derived default (on a 2-core CPU machine with four arms: two at once);
+* ``all_cores`` (only with ``--all-cores``): one at a time, each run and search on every core
+  (``execution.threads_per_stage`` = the cores): what one at a time costs when it gives up the rule
+  that a run's thread count never depends on ``max_parallel``.
 
 One after the other, never at the same time; run it on a quiet machine (other jobs on the cores
 make both numbers meaningless). Each training run uses the same number of torch threads in both
 modes, and so does each arm's search (vpo/pipeline/execution.py), so their results must be identical:
 the script compares every arm's weights (sha256), the evaluation metrics of every policy (without
 their wall times) and the search results, and prints both evaluation tables, each stage's time, the
-two wall times and their ratio (the target is at most 0.65). ``--out FILE`` also writes them as JSON.
+two wall times and their ratio (the target is at most 0.65). ``all_cores`` runs its stages with
+another thread count, so its results may differ in the last bits: the script says whether they do
+and does not fail on it. ``--out FILE`` also writes the results as JSON.
 """
 
 from __future__ import annotations
@@ -35,6 +40,13 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = {"sequential": ["--set", "execution.max_parallel=1"], "default": []}
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _clone(dest: Path) -> None:
@@ -85,13 +97,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="the quick preset (make quick) instead of the main job")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/vpo-parallel-arms"), help="where the clones go")
     ap.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
+    ap.add_argument("--all-cores", action="store_true",
+                    help="also time one at a time with every core per run (execution.threads_per_stage = cores)")
     args = ap.parse_args(argv)
+    modes = dict(MODES)
+    if args.all_cores:
+        modes["all_cores"] = ["--set", "execution.max_parallel=1", "--set", f"execution.threads_per_stage={_cores()}"]
     variant = "route-quick" if args.quick else "route"
     args.workdir.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"variant": variant, "machine": f"{platform.machine()}, {os.cpu_count()} cores",
                                "git": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
                                                      text=True, check=False).stdout.strip(), "modes": {}}
-    for mode, extra in MODES.items():
+    for mode, extra in modes.items():
         folder = args.workdir / mode
         _clone(folder)
         log = args.workdir / f"{mode}.log"
@@ -112,15 +129,21 @@ def main(argv: list[str] | None = None) -> int:
     results["identical_weights"] = seq["weights"] == par["weights"]
     results["identical_metrics"] = seq["metrics"] == par["metrics"]
     results["identical_search"] = seq["search"] == par["search"]
-    for mode in MODES:
+    for mode in modes:
         r = results["modes"][mode]
         print(f"\n## {mode}: evaluation table\n\n{r['table']}\n## {mode}: search table\n\n{r['search_table']}")
-    print("| stage | " + " | ".join(MODES) + " |\n|---|" + "---|" * len(MODES))
+    print("| stage | " + " | ".join(modes) + " |\n|---|" + "---|" * len(modes))
     for stage in seq["stages"]:
-        print(f"| {stage} | " + " | ".join(f"{results['modes'][m]['stages'].get(stage, '')} s" for m in MODES) + " |")
+        print(f"| {stage} | " + " | ".join(f"{results['modes'][m]['stages'].get(stage, '')} s" for m in modes) + " |")
     print(f"\nsequential {seq['seconds']:.1f} s, default {par['seconds']:.1f} s: ratio {results['ratio']:.2f} "
           f"(target <= 0.65); weights identical: {results['identical_weights']}; evaluation identical: "
           f"{results['identical_metrics']}; search identical: {results['identical_search']}")
+    if "all_cores" in results["modes"]:
+        every = results["modes"]["all_cores"]
+        results["ratio_to_all_cores"] = round(par["seconds"] / every["seconds"], 3)
+        results["all_cores_identical"] = {k: every[k] == seq[k] for k in ("weights", "metrics", "search")}
+        print(f"all_cores (one at a time, {_cores()} threads per run) {every['seconds']:.1f} s: default/all_cores "
+              f"{results['ratio_to_all_cores']:.2f}; the same as sequential: {results['all_cores_identical']}")
     if args.out:
         slim = {**results, "modes": {m: {k: v for k, v in r.items() if k not in ("metrics", "search")}
                                      for m, r in results["modes"].items()}}
