@@ -6,9 +6,9 @@
 The base stage's SFT is the longest part of ``make run`` that runs once whatever
 ``execution.max_parallel`` says, so it bounds how much running arms side by side can save. This
 script times the main job's SFT step (the ``route`` pipeline's tiny model, batch and optimizer) two
-ways on the same data:
+ways on the same data and the same number of cores N (``--processes``, default: this process's cores):
 
-* ``one process``: the whole batch in one process with every core's thread (what the base stage does);
+* ``one process``: the whole batch in one process with N torch threads (what the base stage does);
 * ``N processes``: data-parallel, each process one thread and 1/N of every batch; the gradients are
   gathered (``torch.distributed``, gloo) and summed in a fixed order, so each process takes the
   same optimizer step.
@@ -51,7 +51,7 @@ def _free_port() -> int:
 
 def _worker(rank: int, world: int, shards: int, steps: int, init: str, port: int, out: Any) -> None:
     """Train ``steps`` SFT steps on this rank's shards; rank 0 puts (seconds per step, weights) on ``out``."""
-    torch.set_num_threads(1 if world > 1 else _cores())
+    torch.set_num_threads(1 if world > 1 else shards)  # N cores either way
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from vpo.chat import model_prompt
