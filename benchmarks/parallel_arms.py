@@ -38,15 +38,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vpo.pipeline.execution import Machine
+
 ROOT = Path(__file__).resolve().parents[1]
 MODES = {"sequential": ["--set", "execution.max_parallel=1"], "default": []}
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def _clone(dest: Path) -> None:
@@ -100,12 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--all-cores", action="store_true",
                     help="also time one at a time with every core per run (execution.threads_per_stage = cores)")
     args = ap.parse_args(argv)
+    cores = Machine.detect().cores
     modes = dict(MODES)
     if args.all_cores:
-        modes["all_cores"] = ["--set", "execution.max_parallel=1", "--set", f"execution.threads_per_stage={_cores()}"]
+        modes["all_cores"] = ["--set", "execution.max_parallel=1", "--set", f"execution.threads_per_stage={cores}"]
     variant = "route-quick" if args.quick else "route"
     args.workdir.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"variant": variant, "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+    results: dict[str, Any] = {"variant": variant, "machine": f"{platform.machine()}, {cores} cores",
                                "git": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
                                                      text=True, check=False).stdout.strip(), "modes": {}}
     for mode, extra in modes.items():
@@ -142,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         every = results["modes"]["all_cores"]
         results["ratio_to_all_cores"] = round(par["seconds"] / every["seconds"], 3)
         results["all_cores_identical"] = {k: every[k] == seq[k] for k in ("weights", "metrics", "search")}
-        print(f"all_cores (one at a time, {_cores()} threads per run) {every['seconds']:.1f} s: default/all_cores "
+        print(f"all_cores (one at a time, {cores} threads per run) {every['seconds']:.1f} s: default/all_cores "
               f"{results['ratio_to_all_cores']:.2f}; the same as sequential: {results['all_cores_identical']}")
     if args.out:
         slim = {**results, "modes": {m: {k: v for k, v in r.items() if k not in ("metrics", "search")}

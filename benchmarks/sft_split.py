@@ -21,9 +21,7 @@ spell of the machine hits both; it prints seconds per step for every try, their 
 from __future__ import annotations
 
 import argparse
-import os
 import random
-import socket
 import statistics
 import sys
 import tempfile
@@ -35,21 +33,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+from vpo.pipeline.execution import Machine
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _worker(rank: int, world: int, shards: int, steps: int, init: str, port: int, out: Any) -> None:
+def _worker(rank: int, world: int, shards: int, steps: int, init: str, rendezvous: str, out: Any) -> None:
     """Train ``steps`` SFT steps on this rank's shards; rank 0 puts (seconds per step, weights) on ``out``."""
     torch.set_num_threads(1 if world > 1 else shards)  # N cores either way
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -60,7 +47,7 @@ def _worker(rank: int, world: int, shards: int, steps: int, init: str, port: int
     from vpo.sft import make_batch
 
     if world > 1:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     cfg = load_pipeline("route")
     task = build_task(cfg)
     tok = AutoTokenizer.from_pretrained(init)
@@ -107,11 +94,11 @@ def _worker(rank: int, world: int, shards: int, steps: int, init: str, port: int
         out.put((seconds, torch.cat([p.detach().reshape(-1) for p in params])))
 
 
-def _try(world: int, shards: int, steps: int, init: str) -> tuple[float, torch.Tensor]:
+def _try(world: int, shards: int, steps: int, init: str, rendezvous: str) -> tuple[float, torch.Tensor]:
+    """One try: ``world`` processes (spawned) meeting at the file ``rendezvous``; rank 0's result."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, shards, steps, init, port, out)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, shards, steps, init, rendezvous, out)) for r in range(world)]
     for p in procs:
         p.start()
     result = out.get()
@@ -126,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=40, help="SFT steps per try")
     ap.add_argument("--repeat", type=int, default=3, help="tries each way")
-    ap.add_argument("--processes", type=int, default=_cores(), help="processes of the data-parallel way")
+    ap.add_argument("--processes", type=int, default=Machine.detect().cores, help="processes of the data-parallel way")
     args = ap.parse_args(argv)
     from vpo.pipeline.config import load_pipeline
     from vpo.pipeline.context import build_task
@@ -143,11 +130,11 @@ def main(argv: list[str] | None = None) -> int:
         weights: dict[str, torch.Tensor] = {}
         for i in range(args.repeat):
             for way, world in ways.items():
-                seconds, w = _try(world, args.processes, args.steps, init)
+                seconds, w = _try(world, args.processes, args.steps, init, f"{tmp}/rendezvous-{i}-{world}")
                 times[way].append(seconds)
                 weights[way] = w
                 print(f"try {i + 1} {way}: {seconds:.4f} s/step", flush=True)
-    print(f"\n{_cores()} cores, {args.steps} steps per try, batch {cfg.sft.batch_size} in {args.processes} shards")
+    print(f"\n{Machine.detect().cores} cores, {args.steps} steps per try, batch {cfg.sft.batch_size} in {args.processes} shards")
     for way, ts in times.items():
         spread = statistics.stdev(ts) if len(ts) > 1 else 0.0
         print(f"{way}: {statistics.mean(ts):.4f} +- {spread:.4f} s/step")
