@@ -179,9 +179,7 @@ def test_canonical_pass_and_wrong_solutions_agree_with_the_datasets_check(humane
     rows, reward = humaneval["rows"], humaneval["task"].reward
     by_id = {r["id"]: r for r in rows}
     cands = _candidates(rows)
-    t0 = time.monotonic()
     mats = reward.score_many([([code], by_id[pid]) for pid, _, code in cands])
-    ours_s = time.monotonic() - t0
     ours = [bool((m[0][: by_id[pid]["n_tests"]] == 1).all()) for (pid, _, _), m in zip(cands, mats)]
     raw = humaneval["raw"]
     programs = [(f"{code}\n\n{raw[pid]['test']}\n\ncheck({raw[pid]['entry_point']})\n", 3.0) for pid, _, code in cands]
@@ -193,7 +191,6 @@ def test_canonical_pass_and_wrong_solutions_agree_with_the_datasets_check(humane
     wrong = [(pid, kind) for (pid, kind, _), r in zip(cands, theirs) if kind != "canonical" and not r]
     assert len(wrong) >= 4 * 164 * 0.9  # the fixed wrong set: constant returns, raising, failing mutants
     assert all(not o for (pid, kind, _), o, r in zip(cands, ours, theirs) if kind != "canonical" and not r)
-    assert ours_s < 60, ours_s
 
 
 def test_infinite_loops_fail_within_the_problem_budget(humaneval: dict) -> None:

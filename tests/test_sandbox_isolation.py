@@ -224,6 +224,83 @@ def test_fork_servers_never_outnumber_their_slots() -> None:
             box._release(z)
 
 
+def test_a_slot_still_being_freed_is_waited_for_not_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fork server being discarded leaves the pool before its slot is free again (its cgroup
+    leaf is emptied first, which takes a while on a busy machine). A request in that window waits
+    for the slot; it is not refused as if the slot's processes could not be killed."""
+    import threading
+
+    with Sandbox(SandboxConfig(workers=1)) as box:
+        box.start()
+        held = [box._acquire() for _ in range(box._max_zygotes)]
+        freeing, gate = threading.Event(), threading.Event()
+        free_slot = box._free_slot
+
+        def slow_free(slot: int) -> None:
+            freeing.set()
+            assert gate.wait(30)
+            free_slot(slot)
+
+        monkeypatch.setattr(box, "_free_slot", slow_free)
+        discard = threading.Thread(target=box._discard, args=(held[0],), daemon=True)
+        discard.start()
+        assert freeing.wait(30)
+        assert held[0] not in box._zygotes  # gone from the pool, its slot not yet back
+        got: list = []
+        errors: list = []
+
+        def request() -> None:
+            try:
+                got.append(box._acquire())
+            except Exception as exc:  # noqa: BLE001 - the test reports it
+                errors.append(exc)
+
+        waiter = threading.Thread(target=request, daemon=True)
+        waiter.start()
+        waiter.join(0.5)
+        assert not errors, errors
+        assert waiter.is_alive() and not got
+        gate.set()
+        discard.join(30)
+        waiter.join(30)
+        assert not errors, errors
+        assert len(got) == 1 and got[0].slot == held[0].slot and got[0] is not held[0]
+        assert len(box._zygotes) == box._max_zygotes
+        for z in held[1:] + got:
+            box._release(z)
+
+
+def test_slots_whose_processes_survive_stay_out_of_use_until_killed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slot whose cgroup still holds processes after the kill keeps its uid and leaf out of use:
+    each request kills again, and refuses with one error while no slot is clean; once the kill
+    succeeds the slot is used again."""
+    if not _cgroups_here():
+        pytest.skip("no cgroup here: slots are freed without one")
+    with Sandbox(SandboxConfig(workers=1)) as box:
+        box.start()
+        kills: list[int] = []
+        real_kill = cgroups.Leaf.kill
+
+        def surviving(leaf: cgroups.Leaf, *args: object, **kwargs: object) -> bool:
+            kills.append(1)
+            real_kill(leaf, *args, **kwargs)
+            return False
+
+        held = [box._acquire() for _ in range(box._max_zygotes)]
+        monkeypatch.setattr(cgroups.Leaf, "kill", surviving)
+        for z in held:
+            box._discard(z)
+        assert sorted(box._dirty) == list(range(box._max_zygotes)) and not box._free_slots
+        for _ in range(2):  # every request tries every slot again; none is reported clean
+            before = len(kills)
+            with pytest.raises(SandboxError, match="cannot be killed"):
+                box._acquire()
+            assert len(kills) - before == box._max_zygotes
+        monkeypatch.setattr(cgroups.Leaf, "kill", real_kill)
+        res = box.run_one("def f(x):\n    return x\n", [TestCase.call([2], 2)], "f")
+    assert res.all_passed, res.tests
+
+
 def test_a_lease_is_free_again_when_its_holder_dies() -> None:
     if os.geteuid() != 0:
         pytest.skip("user ids are leased only as root")

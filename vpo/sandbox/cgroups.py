@@ -424,15 +424,18 @@ class Instance:
         return leaf
 
     def drop(self, slot: int) -> bool:
-        """Kill slot ``slot``'s processes and remove its leaf. True when nothing was left alive."""
+        """Kill slot ``slot``'s processes and remove its leaf. True when nothing was left alive;
+        otherwise the leaf is kept, so that the next call kills again instead of reporting clean."""
         leaf = self.leaves.pop(slot, None)
         if leaf is None:
             return True
         leaf.close()
-        empty = leaf.kill()
+        if not leaf.kill():
+            self.leaves[slot] = leaf
+            return False
         for d in sorted(set(leaf.dirs.values()), reverse=True):
             _rmdir(d)
-        return empty
+        return True
 
     def processes(self) -> list[int]:
         """Every process in this instance's groups now."""

@@ -266,8 +266,10 @@ class Sandbox:
         self._res = _Resources(self.config, self.workers)
         self._idle: queue.SimpleQueue[_Zygote] = queue.SimpleQueue()
         self._zygotes = self._res.zygotes
-        self._free_slots = list(range(self._max_zygotes))
+        self._n_slots = self._max_zygotes
+        self._free_slots = list(range(self._n_slots))
         self._dirty: list[int] = []
+        self._dirty_tried = 0.0
         self._executor: ThreadPoolExecutor | None = None
         self._closed = False
         self._started = False
@@ -314,19 +316,35 @@ class Sandbox:
             self._start_lock = threading.Lock()
             self._setup()
 
-    def _new_zygote(self) -> _Zygote:
-        cfg = self.config
+    def _take_slot(self) -> int | None:
+        """A free slot, taken under the lock so that no other thread can take it too; slots whose
+        processes could not be killed before are tried again (at most once a second while other
+        slots may come back). None: as many slots as fork servers may run are held by one or still
+        being freed, so the caller waits for one. Raises only when no slot's processes can be killed."""
         with self._lock:
-            dirty = list(self._dirty) if not self._free_slots else []
-        for slot in dirty:  # slots whose processes could not be killed before: try again
+            held = self._n_slots - len(self._free_slots) - len(self._dirty)  # by fork servers, or being freed
+            if held >= self._max_zygotes:
+                return None
+            if self._free_slots:
+                return self._free_slots.pop(0)
+            now, every = time.monotonic(), len(self._dirty) >= self._n_slots
+            dirty = list(self._dirty) if every or now - self._dirty_tried >= 1.0 else []
+            if dirty:
+                self._dirty_tried = now
+        for slot in dirty:
             if self._res.cgroup is None or self._res.cgroup.drop(slot):
                 with self._lock:
-                    self._dirty.remove(slot)
-                    self._free_slots.append(slot)
+                    if slot in self._dirty:  # another thread may have taken it meanwhile
+                        self._dirty.remove(slot)
+                        return slot
         with self._lock:
-            if not self._free_slots:
-                raise SandboxError(f"no free fork-server slot: processes of slots {self._dirty} cannot be killed")
-            slot = self._free_slots.pop(0)
+            if len(self._dirty) >= self._n_slots:
+                raise SandboxError(f"no free fork-server slot: processes of slots {sorted(self._dirty)} cannot be killed")
+        return None
+
+    def _new_zygote(self, slot: int) -> _Zygote:
+        """Start a fork server in ``slot`` (taken with :meth:`_take_slot`; given back on failure)."""
+        cfg = self.config
         leaf = None
         slot_cfg: dict[str, Any] = {"uid": self._res.lease.first + slot if self._res.lease is not None else None,
                                     "cgroup_required": cfg.cgroups == "require", "cgroup_why": self._res.cgroup_why}
@@ -380,9 +398,8 @@ class Sandbox:
                         busy.append(z)
                     else:
                         self._discard(z)
-                with self._lock:
-                    room = len(self._zygotes) < self._max_zygotes
-                if room:
+                slot = self._take_slot()
+                if slot is not None:
                     break
                 if busy:
                     z = busy.pop(0)
@@ -399,7 +416,7 @@ class Sandbox:
                 self._idle.put(self._idle.get(timeout=0.05))  # one came back: look again
             except queue.Empty:
                 pass
-        return self._new_zygote()
+        return self._new_zygote(slot)
 
     def _release(self, z: _Zygote) -> None:
         if z.alive and not self._closed and (z.pending is not None or not z.has_msg()):
