@@ -33,12 +33,11 @@ from flows.locks import train_limit
 from flows.plan import make_plan
 from flows.tasks import (
     PermanentStageFailure,
-    ProgressSpec,
     arm_result_key,
     dvc_commit,
     dvc_pull,
     dvc_push,
-    progress_markdown,
+    open_progress,
     run_stage,
     vpo_cmd,
 )
@@ -71,10 +70,6 @@ def train_arm(
 ) -> dict[str, Any]:
     """Train run ``<arm>-s<seed>`` of a pipeline in this checkout from the inputs the caller recorded
     (``inputs``: their dvc.lock records), push its output and report its dvc.lock record."""
-    from prefect.artifacts import create_progress_artifact
-
-    from flows.plan import artifact_slug
-
     logger = get_run_logger()
     started = _now()
     plan = make_plan(pipeline, quick, config)
@@ -92,10 +87,7 @@ def train_arm(
     merge_entries(plan.repo, inputs)
     dvc_pull(str(plan.repo), plan.remote_url, plan.remote_name, sorted(inputs), force=True)
     layout = RunLayout(plan.run_dir, plan.variant)
-    artifact = create_progress_artifact(
-        progress=0.0, key=f"{artifact_slug(plan.variant)}-train-{artifact_slug(rid)}",
-        description=progress_markdown(f"{plan.variant}: train@{rid}", []))
-    spec = ProgressSpec(artifact_id=str(artifact), progress_file=str(layout.arm_progress(rid)))
+    spec = open_progress(plan.variant, rid, layout.arm_progress(rid))
     result = run_stage.with_options(task_run_name=step.label)(
         step.label, vpo_cmd(*step.variant_argv), str(plan.repo), False, plan.variant, spec, None,
         train_limit(plan.variant, rid))

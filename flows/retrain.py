@@ -34,14 +34,13 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_progress_artifact
 from prefect.futures import PrefectFuture, as_completed
 from prefect.runtime import flow_run as runtime_flow_run
 from prefect.tasks import exponential_backoff
 
 from flows.dvclock import merge_entries, read_entries
 from flows.locks import train_limit
-from flows.plan import Plan, StageStep, artifact_slug, make_plan
+from flows.plan import Plan, StageStep, make_plan
 from flows.report import publish, publish_failure
 from flows.tasks import (
     PermanentStageFailure,
@@ -50,7 +49,7 @@ from flows.tasks import (
     dvc_commit,
     dvc_pull,
     dvc_push,
-    progress_markdown,
+    open_progress,
     register,
     run_stage,
     train_on_pool,
@@ -70,13 +69,8 @@ def _flow_run_name() -> str:
 
 
 def _progress(plan: Plan, layout: RunLayout, step: StageStep) -> ProgressSpec | None:
-    """A training run's progress artifact (one per run, keyed by variant and run)."""
-    if not step.run_id:
-        return None
-    artifact = create_progress_artifact(
-        progress=0.0, key=f"{artifact_slug(plan.variant)}-train-{artifact_slug(step.run_id)}",
-        description=progress_markdown(f"{plan.variant}: train@{step.run_id}", []))
-    return ProgressSpec(artifact_id=str(artifact), progress_file=str(layout.arm_progress(step.run_id)))
+    """A training run's progress artifact (none for a stage that is not a training run)."""
+    return open_progress(plan.variant, step.run_id, layout.arm_progress(step.run_id)) if step.run_id else None
 
 
 def _side_by_side(steps: list[StageStep], slots: int, submit: Callable[[StageStep, int], PrefectFuture[Any]],

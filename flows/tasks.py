@@ -34,7 +34,7 @@ from typing import Any
 from uuid import UUID
 
 from prefect import get_run_logger, task
-from prefect.artifacts import create_markdown_artifact, update_progress_artifact
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import TaskRun
 from prefect.runtime import task_run as runtime_task_run
@@ -59,6 +59,7 @@ __all__ = [
     "dvc_error",
     "dvc_pull",
     "dvc_push",
+    "open_progress",
     "progress_markdown",
     "register",
     "run_stage",
@@ -262,10 +263,20 @@ def _inner_rc(res: _Result, use_dvc: bool) -> int:
 
 @dataclass(frozen=True)
 class ProgressSpec:
-    """Where a train task reports: its own progress artifact and the run's progress file."""
+    """Where a train task reports: its own progress artifact (and the key it was created under)
+    and the run's progress file."""
 
     artifact_id: str
     progress_file: str
+    key: str | None = None
+
+
+def open_progress(variant: str, run: str, progress_file: str | os.PathLike[str]) -> ProgressSpec:
+    """Create training run ``run``'s progress artifact at 0 % (one per run, keyed by variant and run)."""
+    key = f"{artifact_slug(variant)}-train-{artifact_slug(run)}"
+    artifact = create_progress_artifact(progress=0.0, key=key,
+                                        description=progress_markdown(f"{variant}: train@{run}", []))
+    return ProgressSpec(artifact_id=str(artifact), progress_file=str(progress_file), key=key)
 
 
 _PROGRESS_ROWS = 12
@@ -350,6 +361,7 @@ class ProgressPoller:
     def finish(self, status: str | None) -> None:
         """Progress 100 %; when no step was seen while the stage ran (``status``: it did not train now,
         e.g. "up to date"; or it finished between two polls) the run's last logged steps too."""
+        self.drop_copies()
         if self.rows:
             update_progress_artifact(artifact_id=UUID(self.spec.artifact_id), progress=100.0)
             return
@@ -360,9 +372,29 @@ class ProgressPoller:
         if not rows and status is None:  # nothing to show: no table at all beats "waiting" at 100 %
             update_progress_artifact(artifact_id=UUID(self.spec.artifact_id), progress=100.0,
                                      description=f"**{self.label}** done")
+        else:
+            update_progress_artifact(artifact_id=UUID(self.spec.artifact_id), progress=100.0,
+                                     description=progress_markdown(self.label, rows, status))
+
+    def drop_copies(self) -> None:
+        """Delete every other artifact under this run's key in this flow run. A create that the API
+        client sent again (its first answer lost on a busy machine, the first request done all the
+        same) leaves a second copy that no task updates: the UI would show it stuck at 0 %."""
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+        from prefect.runtime import flow_run as runtime_flow_run
+
+        if self.spec.key is None or not runtime_flow_run.id:
             return
-        update_progress_artifact(artifact_id=UUID(self.spec.artifact_id), progress=100.0,
-                                 description=progress_markdown(self.label, rows, status))
+        with get_client(sync_client=True) as client:
+            found = client.read_artifacts(artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=[self.spec.key]),
+                flow_run_id=ArtifactFilterFlowRunId(any_=[UUID(runtime_flow_run.id)])))
+            for copy in found:
+                if str(copy.id) != self.spec.artifact_id:
+                    client.delete_artifact(copy.id)
+                    self.logger.warning("%s: removed a second progress artifact %s under key %s (never updated)",
+                                        self.label, copy.id, self.spec.key)
 
 
 _UP_TO_DATE = re.compile(r"^\[vpo\] (\S+): up to date$")

@@ -247,23 +247,32 @@ def test_train_progress_file_is_polled_into_the_progress_artifact(
     time.sleep(0.05)
 
     @flow(name="progress-probe")
-    def probe() -> UUID:
-        artifact_id = create_progress_artifact(progress=0.0, key="probe-train-progress")
-        spec = tasks.ProgressSpec(str(artifact_id), progress_file=str(progress_file))
+    def probe() -> tasks.ProgressSpec:
+        # a second copy under the same key, as a create that the API client sent twice leaves: never updated
+        create_progress_artifact(progress=0.0, key="probe-train-probe-s0")
+        spec = tasks.open_progress("probe", "probe-s0", progress_file)
         cmd = [sys.executable, "-c", _FAKE_TRAINER, str(progress_file)]
         tasks.run_stage("train@probe-s0", cmd, str(tmp_path), False, "probe", spec)
-        return artifact_id
+        return spec
 
     state = probe(return_state=True)
     assert state.is_completed()
+    spec = state.result()
+    assert spec.key == "probe-train-probe-s0"
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with _client() as client:  # the copy is gone: one artifact under the key, the one the task updated
+        under_key = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[spec.key])))
+    assert [str(a.id) for a in under_key] == [spec.artifact_id]
+    assert any("removed a second progress artifact" in line for line in _logs(state.state_details.flow_run_id))
     assert seen == [33.3, 66.7, 100.0, 100.0]
     assert len(tables) == 3 and "| step | reward | E max | diversity | parse rate | loss |" in tables[-1]
     rows = [ln for ln in tables[-1].splitlines() if ln.startswith("| ") and ln[2].isdigit()]
     assert rows == ["| 3 | 0.300 | 0.600 | 1.000 | 90% | 0.010 |", "| 2 | 0.200 | 0.400 | 1.000 | 90% | 0.010 |",
                     "| 1 | 0.100 | 0.200 | 1.000 | 90% | 0.010 |"]
     arts = _artifacts(state.state_details.flow_run_id)
-    assert float(arts["probe-train-progress"].data) == 100.0
-    assert "| 3 | 0.300 |" in arts["probe-train-progress"].description
+    assert float(arts["probe-train-probe-s0"].data) == 100.0
+    assert "| 3 | 0.300 |" in arts["probe-train-probe-s0"].description
     assert any(
         "train@probe-s0: step 2/3" in line
         for line in _logs(state.state_details.flow_run_id)
