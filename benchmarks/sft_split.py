@@ -91,10 +91,11 @@ def _worker(rank: int, world: int, shards: int, steps: int, init: str, rendezvou
     if world > 1:
         dist.destroy_process_group()
     if rank == 0:
-        out.put((seconds, torch.cat([p.detach().reshape(-1) for p in params])))
+        # as bytes: a tensor would travel as a handle to this process's memory, gone once it exits
+        out.put((seconds, torch.cat([p.detach().reshape(-1) for p in params]).numpy().tobytes()))
 
 
-def _try(world: int, shards: int, steps: int, init: str, rendezvous: str) -> tuple[float, torch.Tensor]:
+def _try(world: int, shards: int, steps: int, init: str, rendezvous: str) -> tuple[float, bytes]:
     """One try: ``world`` processes (spawned) meeting at the file ``rendezvous``; rank 0's result."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -113,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=40, help="SFT steps per try")
     ap.add_argument("--repeat", type=int, default=3, help="tries each way")
-    ap.add_argument("--processes", type=int, default=Machine.detect().cores, help="processes of the data-parallel way")
+    cores = Machine.detect().cores
+    ap.add_argument("--processes", type=int, default=cores, help="processes of the data-parallel way")
     args = ap.parse_args(argv)
     from vpo.pipeline.config import load_pipeline
     from vpo.pipeline.context import build_task
@@ -127,19 +129,19 @@ def main(argv: list[str] | None = None) -> int:
                                     **dict(cfg.model.builder_params)))
         ways = {"one process": 1, f"{args.processes} processes": args.processes}
         times: dict[str, list[float]] = {w: [] for w in ways}
-        weights: dict[str, torch.Tensor] = {}
+        weights: dict[str, bytes] = {}
         for i in range(args.repeat):
             for way, world in ways.items():
                 seconds, w = _try(world, args.processes, args.steps, init, f"{tmp}/rendezvous-{i}-{world}")
                 times[way].append(seconds)
                 weights[way] = w
                 print(f"try {i + 1} {way}: {seconds:.4f} s/step", flush=True)
-    print(f"\n{Machine.detect().cores} cores, {args.steps} steps per try, batch {cfg.sft.batch_size} in {args.processes} shards")
+    print(f"\n{cores} cores, {args.steps} steps per try, batch {cfg.sft.batch_size} in {args.processes} shards")
     for way, ts in times.items():
         spread = statistics.stdev(ts) if len(ts) > 1 else 0.0
         print(f"{way}: {statistics.mean(ts):.4f} +- {spread:.4f} s/step")
     one, many = (statistics.mean(t) for t in times.values())
-    same = torch.equal(*weights.values())
+    same = len(set(weights.values())) == 1
     print(f"{args.processes} processes / one process: {many / one:.2f}x the time per step; weights identical: {same}")
     return 0 if same else 1
 

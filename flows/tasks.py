@@ -361,7 +361,7 @@ class ProgressPoller:
     def finish(self, status: str | None) -> None:
         """Progress 100 %; when no step was seen while the stage ran (``status``: it did not train now,
         e.g. "up to date"; or it finished between two polls) the run's last logged steps too."""
-        self.drop_copies()
+        self._drop_copies()
         if self.rows:
             update_progress_artifact(artifact_id=UUID(self.spec.artifact_id), progress=100.0)
             return
@@ -376,25 +376,24 @@ class ProgressPoller:
             update_progress_artifact(artifact_id=UUID(self.spec.artifact_id), progress=100.0,
                                      description=progress_markdown(self.label, rows, status))
 
-    def drop_copies(self) -> None:
+    def _drop_copies(self) -> None:
         """Delete every other artifact under this run's key in this flow run. A create that the API
         client sent again (its first answer lost on a busy machine, the first request done all the
         same) leaves a second copy that no task updates: the UI would show it stuck at 0 %."""
         from prefect.client.orchestration import get_client
-        from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
         from prefect.runtime import flow_run as runtime_flow_run
 
         if self.spec.key is None or not runtime_flow_run.id:
             return
+        copies = [a for a in flow_run_artifacts(UUID(runtime_flow_run.id), self.spec.key)
+                  if str(a.id) != self.spec.artifact_id]
+        if not copies:
+            return
         with get_client(sync_client=True) as client:
-            found = client.read_artifacts(artifact_filter=ArtifactFilter(
-                key=ArtifactFilterKey(any_=[self.spec.key]),
-                flow_run_id=ArtifactFilterFlowRunId(any_=[UUID(runtime_flow_run.id)])))
-            for copy in found:
-                if str(copy.id) != self.spec.artifact_id:
-                    client.delete_artifact(copy.id)
-                    self.logger.warning("%s: removed a second progress artifact %s under key %s (never updated)",
-                                        self.label, copy.id, self.spec.key)
+            for copy in copies:
+                client.delete_artifact(copy.id)
+                self.logger.warning("%s: removed a second progress artifact %s under key %s (never updated)",
+                                    self.label, copy.id, self.spec.key)
 
 
 _UP_TO_DATE = re.compile(r"^\[vpo\] (\S+): up to date$")
@@ -546,15 +545,20 @@ def arm_result_key(variant: str, run_id: str) -> str:
     return f"{artifact_slug(variant)}-{ARM_RESULT}-{artifact_slug(run_id)}"
 
 
+def flow_run_artifacts(flow_run_id: UUID, key: str | None = None) -> list[Any]:
+    """The artifacts flow run ``flow_run_id`` created (only those under ``key`` when given), from the Prefect API."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    where = ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]),
+                           key=ArtifactFilterKey(any_=[key]) if key is not None else None)
+    with get_client(sync_client=True) as client:
+        return list(client.read_artifacts(artifact_filter=where))
+
+
 def read_arm_result(flow_run_id: UUID) -> dict[str, Any]:
     """The result a ``train-arm`` flow run published (its JSON block), from the Prefect API."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
-
-    with get_client(sync_client=True) as client:
-        arts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(
-            any_=[flow_run_id])))
-    for art in arts:
+    for art in flow_run_artifacts(flow_run_id):
         if art.key and ARM_RESULT in art.key and isinstance(art.data, str) and "```json" in art.data:
             return json.loads(art.data.split("```json", 1)[1].split("```", 1)[0])
     raise PermanentStageFailure(f"flow run {flow_run_id} completed without publishing its {ARM_RESULT} artifact")
