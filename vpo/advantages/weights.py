@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from vpo.advantages.batching import ArrayLike
+from vpo.answers import append_to_prompt
 
 __all__ = ["GOAL_WEIGHTS_COLUMN", "goal_condition_rows", "goal_prompt", "prompt_weights", "sample_weights"]
 
@@ -209,16 +210,7 @@ def goal_prompt(prompt: Any, weights: ArrayLike, names: Sequence[str]) -> Any:
     lines = "\n".join(f"- {name}: {wi:.2f}" for name, wi in zip(names, w) if wi > 0)
     block = ("Objective weights (higher = more important); your reward is the weighted sum of the "
              f"objectives:\n{lines}")
-    if isinstance(prompt, str):
-        return f"{prompt.rstrip()}\n\n{block}"
-    if not isinstance(prompt, list) or not all(isinstance(msg, Mapping) for msg in prompt):
-        raise TypeError(f"prompt must be a str or a list of chat messages, got {type(prompt).__name__}")
-    messages = [dict(msg) for msg in prompt]
-    for msg in reversed(messages):
-        if msg.get("role") == "user":
-            msg["content"] = f"{str(msg.get('content', '')).rstrip()}\n\n{block}"
-            return messages
-    raise ValueError("chat prompt has no user message to attach the goal weights to")
+    return append_to_prompt(prompt, block, what="the goal weights")
 
 
 def goal_condition_rows(
