@@ -41,9 +41,9 @@ from flows.tasks import (
     run_stage,
     vpo_cmd,
 )
-from vpo.pipeline.layout import RunLayout
-from vpo.pipeline.names import run_id, variant_name
-from vpo.pipeline.storage import redact
+from vpo.pipeline.config.layout import RunLayout
+from vpo.pipeline.config.names import run_id, variant_name
+from vpo.pipeline.engine.storage import redact
 
 __all__ = ["train_arm"]
 

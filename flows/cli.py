@@ -74,7 +74,7 @@ def _guarded(args: argparse.Namespace, body: Callable[[], int], stopped: str) ->
     """Run ``body`` with SIGTERM/SIGHUP/Ctrl-C stopping every process it started (``stopped`` says what
     that was): one line, exit 128 + signal, no traceback."""
     from vpo.pipeline.cli import resume_hint
-    from vpo.pipeline.processes import describe, exit_code, stop_on_signals
+    from vpo.pipeline.engine.processes import describe, exit_code, stop_on_signals
 
     try:
         with stop_on_signals():

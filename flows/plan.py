@@ -1,9 +1,9 @@
 """What a retrain flow run will do, resolved from the config and the stage table before any work.
 
-The steps are :func:`vpo.pipeline.graph.plan`'s (the stages ``dvc.yaml`` declares, in order), in
+The steps are :func:`vpo.pipeline.steps.plan`'s (the stages ``dvc.yaml`` declares, in order), in
 groups (:meth:`Plan.groups`): the arm x seed training runs form one group that runs side by side
 (at most :attr:`Plan.max_parallel` at once, each in a slot of its own threads and GPUs, see
-:mod:`vpo.pipeline.execution`); every other stage is a group of its own. When DVC manages the
+:mod:`vpo.pipeline.engine.execution`); every other stage is a group of its own. When DVC manages the
 pipeline (the repository's own ``pipelines.yaml`` with a current ``dvc.yaml``) a lone stage runs as
 ``dvc repro --single-item <variant>-<label>``, and the training runs as the commands ``dvc.yaml``
 gives them, recorded afterwards with ``dvc commit`` (two ``dvc repro`` in one repository wait for
@@ -23,10 +23,10 @@ from typing import Any
 import yaml
 
 from vpo.pipeline.config import PipelineConfig, load_pipeline, settings_digest, variant_settings
-from vpo.pipeline.dvcrecord import declared_stages
-from vpo.pipeline.execution import Slot, execution_plan
-from vpo.pipeline.graph import plan
-from vpo.pipeline.layout import RunLayout
+from vpo.pipeline.dvc.record import declared_stages
+from vpo.pipeline.engine.execution import Slot, execution_plan
+from vpo.pipeline.steps import plan
+from vpo.pipeline.config.layout import RunLayout
 
 __all__ = ["Plan", "StageStep", "artifact_slug", "make_plan"]
 

@@ -15,8 +15,8 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from flows.plan import Plan, artifact_slug
-from vpo.pipeline.layout import RunLayout
-from vpo.pipeline.storage import redact
+from vpo.pipeline.config.layout import RunLayout
+from vpo.pipeline.engine.storage import redact
 
 __all__ = ["evaluation_md", "metrics_rows", "publish", "publish_failure", "registry_rows"]
 

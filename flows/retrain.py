@@ -23,7 +23,7 @@ run is a flow run of the ``train-arm`` deployment (:mod:`flows.arm`) on a work p
 different workers (machines). The inputs go to the DVC remote first; each worker pulls them, trains,
 pushes its outputs and returns its ``dvc.lock`` record; this flow writes the records into its
 ``dvc.lock`` and pulls the outputs, then evaluates as usual. Logs and artifacts pass through
-:func:`vpo.pipeline.storage.redact`; S3 credentials only ever come from the ``AWS_*`` variables.
+:func:`vpo.pipeline.engine.storage.redact`; S3 credentials only ever come from the ``AWS_*`` variables.
 """
 
 from __future__ import annotations
@@ -55,9 +55,9 @@ from flows.tasks import (
     train_on_pool,
     vpo_cmd,
 )
-from vpo.pipeline.layout import RunLayout
-from vpo.pipeline.names import variant_name
-from vpo.pipeline.storage import redact
+from vpo.pipeline.config.layout import RunLayout
+from vpo.pipeline.config.names import variant_name
+from vpo.pipeline.engine.storage import redact
 
 __all__ = ["retrain", "serve"]
 
@@ -229,7 +229,7 @@ def serve(
     needed) with the concurrency limit ``prefect.yaml``'s deployments have (one run at a time, later
     ones queued); its schedule is paused when serving stops. ``overrides`` become the deployment's
     default parameter; a run from the UI may change them. SIGTERM raises
-    :class:`vpo.pipeline.processes.Terminated` after the runner stopped (Prefect's own handler would
+    :class:`vpo.pipeline.engine.processes.Terminated` after the runner stopped (Prefect's own handler would
     exit 0 without a word)."""
     import asyncio
     import signal
@@ -237,7 +237,7 @@ def serve(
     from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
     from prefect.runner import Runner
 
-    from vpo.pipeline.processes import Terminated
+    from vpo.pipeline.engine.processes import Terminated
 
     make_plan(pipeline, quick, config, overrides)  # fail now on a bad config, not at 03:00
     params = {"pipeline": pipeline, "quick": quick, "config": str(Path(config).resolve()),

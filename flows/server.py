@@ -14,8 +14,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from vpo.pipeline.processes import Terminated, kill_group, stop_on_signals
-from vpo.pipeline.storage import subprocess_env
+from vpo.pipeline.engine.processes import Terminated, kill_group, stop_on_signals
+from vpo.pipeline.engine.storage import subprocess_env
 
 __all__ = ["LocalServer", "Terminated", "healthy", "prefect_home", "run_with_local_server", "stop_command",
            "stop_on_signals"]

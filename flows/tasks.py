@@ -1,7 +1,7 @@
 """The flow's Prefect tasks: one per stage (a subprocess, retried with backoff), DVC pull, commit and
 push, registration. Nothing here decides what a stage is: :mod:`flows.plan` and the stage table do.
 
-Stages run in a subprocess (its own process group, registered with :mod:`vpo.pipeline.processes`
+Stages run in a subprocess (its own process group, registered with :mod:`vpo.pipeline.engine.processes`
 so a SIGTERM or Ctrl-C of the command stops it), so a retry starts clean; a non-zero exit fails the
 task, except when the command is stopping (then nothing is retried). Deterministic
 failures (``vpo stage`` exit code 2: a great_expectations check, a bad config, a missing upstream
@@ -42,9 +42,9 @@ from prefect.states import State
 from prefect.tasks import Task, exponential_backoff
 
 from flows.plan import Plan, artifact_slug
-from vpo.pipeline.errors import EXIT_BAD_INPUT
-from vpo.pipeline.processes import kill_group, stopping, track, untrack
-from vpo.pipeline.storage import configure_dvc_remote, redact, subprocess_env
+from vpo.pipeline.engine.errors import EXIT_BAD_INPUT
+from vpo.pipeline.engine.processes import kill_group, stopping, track, untrack
+from vpo.pipeline.engine.storage import configure_dvc_remote, redact, subprocess_env
 
 __all__ = [
     "FAULT_ENV",
@@ -230,7 +230,7 @@ def run_streaming(
 
 
 _STOPPED_LINE = re.compile(r"\[vpo\] (?:interrupted|stopped by \w+)\b")
-"""A stage's own line when a signal stopped it (:func:`vpo.pipeline.console.interrupted`)."""
+"""A stage's own line when a signal stopped it (:func:`vpo.pipeline.engine.console.interrupted`)."""
 _VALIDATION_HEAD = re.compile(r"((?:dataset|reward vectors) '[^']*' failed \d+ of \d+ expectations:?)\s*$")
 _EXITED = re.compile(r"exited with (-?\d+)")
 
@@ -329,7 +329,7 @@ class ProgressPoller:
         self.logger = get_run_logger()
 
     def tick(self, start: float) -> None:
-        from vpo.pipeline.console import format_numbers
+        from vpo.pipeline.engine.console import format_numbers
 
         try:
             if self.path.stat().st_mtime < start:
@@ -353,7 +353,7 @@ class ProgressPoller:
 
     def numbers(self) -> str:
         """The newest logged numbers of the run (what it trained now, or before), compact."""
-        from vpo.pipeline.console import format_numbers
+        from vpo.pipeline.engine.console import format_numbers
 
         read = _read_progress(self.path)
         return format_numbers(read[2]) if read else ""
@@ -599,7 +599,7 @@ def register(plan: Plan) -> dict[str, Any]:
     if res.rc != 0:
         kind = PermanentStageFailure if res.rc == EXIT_BAD_INPUT else StageFailed
         raise kind(f"register failed (exit code {res.rc}); last output:\n" + "\n".join(res.tail[-30:]))
-    from vpo.pipeline.layout import RunLayout
+    from vpo.pipeline.config.layout import RunLayout
 
     return json.loads(RunLayout(plan.run_dir, plan.variant).registry_json.read_text(encoding="utf-8"))
 

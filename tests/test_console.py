@@ -1,4 +1,4 @@
-"""The console (vpo.pipeline.console): what a person reads while a pipeline runs, and the log file that
+"""The console (vpo.pipeline.engine.console): what a person reads while a pipeline runs, and the log file that
 keeps the rest; Ctrl-C during `vpo run` is one line saying how to resume."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from vpo.pipeline import console
+from vpo.pipeline.engine import console
 
 ROOT = Path(__file__).resolve().parents[1]
 VPO = Path(sys.executable).with_name("vpo")

@@ -24,10 +24,10 @@ except ModuleNotFoundError:  # tests/ imported as a package
     from tests.flows_fixtures import DVC, REPO, FlowResult, make_repo, run, tool_env, tree_digest
 
 from vpo.pipeline.config import load_pipeline
-from vpo.pipeline.dvcgen import dvc_yaml_text, params_yaml_text
-from vpo.pipeline.graph import plan
-from vpo.pipeline.layout import arm_runs
-from vpo.pipeline.storage import configure_dvc_remote, scan_for_secrets
+from vpo.pipeline.dvc.generate import dvc_yaml_text, params_yaml_text
+from vpo.pipeline.steps import plan
+from vpo.pipeline.config.layout import arm_runs
+from vpo.pipeline.engine.storage import configure_dvc_remote, scan_for_secrets
 
 QUICK = "route-quick"
 
@@ -68,7 +68,7 @@ def test_dvc_yaml_and_params_yaml_are_up_to_date_with_pipelines_yaml() -> None:
 def _declared_repo(tmp_path: Path, *variants: str) -> Path:
     """A copy of pipelines.yaml with dvc.yaml and params.yaml generated for ``variants``."""
     shutil.copy(REPO / "pipelines.yaml", tmp_path / "pipelines.yaml")
-    from vpo.pipeline.dvcgen import main as dvc_main
+    from vpo.pipeline.dvc.generate import main as dvc_main
 
     assert dvc_main(["--config", str(tmp_path / "pipelines.yaml"), *[a for v in variants for a in ("--add", v)]]) == 0
     return tmp_path
@@ -78,8 +78,8 @@ def test_dvc_yaml_declares_only_the_variants_in_use(tmp_path: Path) -> None:
     """The committed dvc.yaml declares the quick variant only (what make quick, CI and the flow tests
     run), so `dvc status` and `dvc metrics show` speak of nothing else; `vpo dvc --add route` declares
     the full main job, `--remove` drops it again, and the choice survives a plain `vpo dvc`."""
-    from vpo.pipeline.dvcgen import declared_variants
-    from vpo.pipeline.dvcgen import main as dvc_main
+    from vpo.pipeline.dvc.generate import declared_variants
+    from vpo.pipeline.dvc.generate import main as dvc_main
 
     committed = yaml.safe_load((REPO / "dvc.yaml").read_text(encoding="utf-8"))
     assert all(name.startswith(f"{QUICK}-") for name in committed["stages"])

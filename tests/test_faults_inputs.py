@@ -59,7 +59,7 @@ class Work:
 
 def _run(cfg: Any, stage: str, rid: str | None = None) -> dict[str, Any]:
     """Run one step of ``cfg``'s plan in this process (as `vpo stage --force` does, without the lock)."""
-    from vpo.pipeline.graph import plan
+    from vpo.pipeline.steps import plan
     from vpo.pipeline.runner import run_step
 
     step = next(s for s in plan(cfg, [stage]) if rid is None or s.rid == rid)
@@ -378,7 +378,7 @@ def test_local_model_whose_tokenizer_has_no_eos(work: Work) -> None:
 def test_tiny_builder_tokenizer_without_eos(work: Work, monkeypatch: pytest.MonkeyPatch) -> None:
     """The tiny builder path checks its tokenizer before SFT starts; base/ is left as it was."""
     import vpo.tiny
-    from vpo.pipeline.errors import StageError
+    from vpo.pipeline.engine.errors import StageError
 
     original = vpo.tiny.build_char_tokenizer
 
@@ -463,7 +463,7 @@ def test_resume_skips_torn_and_truncated_trainer_checkpoints(tmp_path: Path) -> 
     import torch
     from safetensors.torch import save_file
 
-    from vpo.pipeline.checkpoints import checkpoint_problem, latest_checkpoint
+    from vpo.pipeline.engine.checkpoints import checkpoint_problem, latest_checkpoint
 
     def make(
         step: int,

@@ -86,8 +86,8 @@ def test_outputs_and_registry_are_consistent(race: Race) -> None:
     registered hashes are those of the arm models, and the lock is free again."""
     import pandas as pd
 
-    from vpo.pipeline.checkpoints import content_hash
-    from vpo.pipeline.locking import pipeline_lock, read_holder
+    from vpo.pipeline.engine.checkpoints import content_hash
+    from vpo.pipeline.engine.locking import pipeline_lock, read_holder
     from vpo.pipeline.registry import Registry
 
     run = race.folder / "runs" / RUN_NAME
@@ -114,7 +114,7 @@ def test_outputs_and_registry_are_consistent(race: Race) -> None:
 
 def test_no_secret_in_any_produced_file_or_log(race: Race) -> None:
     """Grep every file of the run folder, the registry, the config folder and both CLI logs."""
-    from vpo.pipeline.storage import scan_for_secrets, secret_values
+    from vpo.pipeline.engine.storage import scan_for_secrets, secret_values
 
     assert set(secret_values(FAKE_SECRETS)) == set(FAKE_SECRETS.values()), "the scanner would miss a secret"
     files = [p for p in race.folder.rglob("*") if p.is_file()]

@@ -87,7 +87,7 @@ def test_sigkill_mid_training_resumes_from_last_complete_checkpoint(
     """Kill inside the save of checkpoint-6, rerun: resume from 3, match an uninterrupted run."""
     from safetensors.torch import load_file
 
-    from vpo.pipeline.checkpoints import checkpoint_problem, latest_checkpoint
+    from vpo.pipeline.engine.checkpoints import checkpoint_problem, latest_checkpoint
 
     prepared = prepared_run(tmp_path_factory.getbasetemp(), task="faulttoy")
     ref_dir, run_dir = tmp_path / "reference", tmp_path / "killed"

@@ -27,7 +27,7 @@ from vpo.memory_plan import (
     scale_shape,
     shape_config,
 )
-from vpo.pipeline.plan import MODEL_CONFIGS, shipped_config
+from vpo.pipeline.memory import MODEL_CONFIGS, shipped_config
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = Device("test CPU", 16 * GiB, "cpu", 50e9)
@@ -301,7 +301,7 @@ def test_accelerate_configs_load_and_give_their_sharding(name: str, stage: int, 
     from accelerate.commands.config.config_args import load_config_from_file
 
     from vpo.pipeline.config import load_pipeline
-    from vpo.pipeline.plan import parallel_of
+    from vpo.pipeline.memory import parallel_of
 
     path = REPO / "infra" / "accelerate" / name
     load_config_from_file(str(path))  # accelerate itself accepts the file
@@ -314,8 +314,8 @@ def test_accelerate_configs_load_and_give_their_sharding(name: str, stage: int, 
 
 def test_route_plan_reads_the_tiny_builder(tmp_path: Path) -> None:
     from vpo.pipeline.config import load_pipeline
-    from vpo.pipeline.context import build_task
-    from vpo.pipeline.plan import model_shape, plan_pipeline
+    from vpo.pipeline.engine.context import build_task
+    from vpo.pipeline.memory import model_shape, plan_pipeline
 
     cfg = load_pipeline("route", str(REPO / "pipelines.yaml"), quick=True,
                         overrides={"storage.runs_dir": str(tmp_path)})
@@ -344,12 +344,12 @@ def test_vpo_plan_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_train_stage_check_refuses_before_loading(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from vpo.pipeline import plan as plan_mod
+    from vpo.pipeline import memory as plan_mod
     from vpo.pipeline.config import load_pipeline
-    from vpo.pipeline.context import StageContext
-    from vpo.pipeline.errors import StageError
-    from vpo.pipeline.layout import ArmRun, RunLayout
-    from vpo.pipeline.settings import vpo_config_kwargs
+    from vpo.pipeline.engine.context import StageContext
+    from vpo.pipeline.engine.errors import StageError
+    from vpo.pipeline.config.layout import ArmRun, RunLayout
+    from vpo.pipeline.config.settings import vpo_config_kwargs
     from vpo.trainer import VPOConfig
 
     cfg = load_pipeline("route", str(REPO / "pipelines.yaml"), quick=True,
@@ -381,7 +381,7 @@ def test_gpu_presets_fit_their_stated_hardware(name: str, device: str) -> None:
     multiplier multiplies rollouts and the completion batch), so it holds whatever the schema accepts:
     every arm's plan fits the card the preset names below 90%, with checkpointing on and a micro-batch
     far below the optimizer step."""
-    from vpo.pipeline.plan import trl_defaults
+    from vpo.pipeline.memory import trl_defaults
 
     preset, trainer = _preset(name)
     model_id = preset["model"]["path_or_id"]

@@ -1,4 +1,4 @@
-"""Independent stages side by side (vpo/pipeline/execution.py, runner.run_side_by_side): how many at
+"""Independent stages side by side (vpo/pipeline/engine/execution.py, runner.run_side_by_side): how many at
 once and with what, the plan's groups, the shared model cache, and what SIGTERM/Ctrl-C to `vpo run`
 and `vpo stage` leave behind (nothing they started).
 
@@ -22,8 +22,8 @@ import pytest
 
 from tests.test_faults_support import RUN_NAME, VPO, copy_prepared, prepared_run, vpo_env
 from vpo.pipeline.config import load_pipeline
-from vpo.pipeline.execution import THREADS_ENV, Machine, execution_plan, stage_threads
-from vpo.pipeline.graph import plan
+from vpo.pipeline.engine.execution import THREADS_ENV, Machine, execution_plan, stage_threads
+from vpo.pipeline.steps import plan
 from vpo.pipeline.runner import independent_groups
 
 try:
@@ -120,7 +120,7 @@ _CACHE_USER = """
 import json, os, sys, time
 from pathlib import Path
 from vpo.atomic import atomic_dir
-from vpo.pipeline.locking import shared_cache_lock
+from vpo.pipeline.engine.locking import shared_cache_lock
 cache, out, log = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
 with shared_cache_lock(cache, "the test cache"):
     t0 = time.time()
@@ -214,7 +214,7 @@ def test_sigterm_to_vpo_stage_is_one_line_and_exit_143(
 ) -> None:
     """`vpo stage train` stopped while it trains: 143, one line with the stage and the command, nothing
     left running; the arm's lock is free again at once."""
-    from vpo.pipeline.locking import arm_lock_path, pipeline_lock
+    from vpo.pipeline.engine.locking import arm_lock_path, pipeline_lock
 
     config = _prepared_copy(tmp_path_factory, tmp_path)
     args = [str(VPO), "stage", "train", "--quick", "--config", str(config), "--arm", "vpo", "--seed", "0",
@@ -252,10 +252,10 @@ def test_a_failed_training_run_becomes_the_commands_one_error(tmp_path: Path) ->
     from collections import deque
     from types import SimpleNamespace
 
-    from vpo.pipeline.errors import StageError
-    from vpo.pipeline.fanout import StageProcessFailed, _failure
-    from vpo.pipeline.layout import RunLayout
-    from vpo.pipeline.locking import LockBusyError
+    from vpo.pipeline.engine.errors import StageError
+    from vpo.pipeline.engine.fanout import StageProcessFailed, _failure
+    from vpo.pipeline.config.layout import RunLayout
+    from vpo.pipeline.engine.locking import LockBusyError
 
     layout = RunLayout(tmp_path / "runs" / RUN_NAME, RUN_NAME)
 
@@ -277,9 +277,9 @@ def test_a_failed_training_run_becomes_the_commands_one_error(tmp_path: Path) ->
 def test_a_failed_process_stops_the_queue_and_the_call_returns(tmp_path: Path) -> None:
     """One slot, three commands, the first fails: the other two never start and the call raises the
     first's failure instead of waiting for slots that will never be asked for."""
-    from vpo.pipeline.execution import ExecutionPlan
-    from vpo.pipeline.fanout import StageProcessFailed, run_processes
-    from vpo.pipeline.layout import RunLayout
+    from vpo.pipeline.engine.execution import ExecutionPlan
+    from vpo.pipeline.engine.fanout import StageProcessFailed, run_processes
+    from vpo.pipeline.config.layout import RunLayout
 
     layout = RunLayout(tmp_path / "runs" / RUN_NAME, RUN_NAME)
     layout.root.mkdir(parents=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from vpo.pipeline.checkpoints import (
+from vpo.pipeline.engine.checkpoints import (
     FileRecord,
     IncompleteCheckpointError,
     check_checkpoint,
@@ -22,7 +22,7 @@ from vpo.pipeline.checkpoints import (
 from vpo.pipeline.registry import Registry, RegistryInputError
 from vpo.pipeline.registry.cli import main
 from vpo.pipeline.registry.entries import StorageUnavailableError
-from vpo.pipeline.storage import scan_for_secrets
+from vpo.pipeline.engine.storage import scan_for_secrets
 
 
 def make_checkpoint(root: Path, *, seed: int = 0, weights_size: int = 4096) -> Path:

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from tests.test_registry import make_checkpoint, metrics
-from vpo.pipeline.checkpoints import content_hash
+from vpo.pipeline.engine.checkpoints import content_hash
 from vpo.pipeline.registry import Registry
 from vpo.pipeline.registry.cli import main
 
@@ -202,8 +202,8 @@ def test_a_run_with_other_settings_than_params_yaml_leaves_dvc_lock_alone(tmp_pa
     project, or for a variant dvc.yaml does not declare, nothing is recorded either, and each says why."""
     from tests.test_faults_support import write_pipelines
     from vpo.pipeline.config import load_pipeline
-    from vpo.pipeline.dvcgen import main as dvc_main
-    from vpo.pipeline.dvcrecord import unmanaged_reason
+    from vpo.pipeline.dvc.generate import main as dvc_main
+    from vpo.pipeline.dvc.record import unmanaged_reason
 
     path = write_pipelines(tmp_path)
     assert dvc_main(["--config", str(path)]) == 0
@@ -227,7 +227,7 @@ def test_quick_pipeline_on_an_s3_remote_promoted_arm_comes_back_byte_identical_i
     vpo-s0 to production; a fresh clone gets byte-identical weights with `vpo registry fetch production`
     and `dvc artifacts get --stage production`, and `gto show` lists the stage."""
     from tests.test_faults_support import run_vpo
-    from vpo.pipeline.storage import configure_dvc_remote
+    from vpo.pipeline.engine.storage import configure_dvc_remote
 
     assert quick_flow.state.is_completed(), quick_flow.state.message
     repo, clone = tmp_path / "repo", tmp_path / "clone"

@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 from vpo.pipeline import config as C
-from vpo.pipeline.layout import ArmRun
-from vpo.pipeline.settings import (
+from vpo.pipeline.config.layout import ArmRun
+from vpo.pipeline.config.settings import (
     DEFAULTS,
     PIPELINE_ONLY,
     RESERVED,
@@ -88,12 +88,12 @@ def test_what_the_pipeline_sets_itself(tmp_path: Path) -> None:
 
 def test_the_field_table_is_the_dataclass() -> None:
     """The generated table the loader reads (no TRL import) equals the live VPOConfig: regenerate it
-    with `python -m vpo.pipeline.settings` when TRL or VPOConfig change."""
-    from vpo.pipeline import settings
+    with `python -m vpo.pipeline.config.settings` when TRL or VPOConfig change."""
+    from vpo.pipeline.config import settings
 
     generated = settings._module_text(settings.describe_vpo_config())
     assert settings.fields_module_path().read_text(encoding="utf-8") == generated, (
-        "vpo/pipeline/vpo_config_fields.py is stale: run `python -m vpo.pipeline.settings`")
+        "vpo/pipeline/config/vpo_config_fields.py is stale: run `python -m vpo.pipeline.config.settings`")
 
 
 def test_tables_name_real_settings_and_the_readme_lists_them() -> None:
@@ -135,7 +135,7 @@ def test_other_sections_are_read_by_the_pipeline() -> None:
 
 
 def test_lora_becomes_a_peft_config(tmp_path: Path) -> None:
-    from vpo.pipeline.settings import peft_config
+    from vpo.pipeline.config.settings import peft_config
 
     cfg = _pipeline(tmp_path, trainer={"lora": {"r": 4, "alpha": 8, "dropout": 0.1, "target_modules": ["q_proj"]}})
     peft = peft_config(cfg)
@@ -190,7 +190,7 @@ def test_generation_rounds_are_stated(tmp_path: Path) -> None:
     ({"use_vllm": True}, None, "trainer.use_vllm is true but vLLM is not installed"),
 ])
 def test_gpu_settings_fail_clearly_on_a_cpu_machine(tmp_path: Path, trainer: dict, arms: Any, fragment: str) -> None:
-    from vpo.pipeline.errors import StageError
+    from vpo.pipeline.engine.errors import StageError
 
     cfg = _pipeline(tmp_path, trainer=trainer, arms=arms or [{"name": "g", "estimator": "grpo"}])
     with pytest.raises(StageError, match=re.escape(fragment)):
@@ -200,9 +200,9 @@ def test_gpu_settings_fail_clearly_on_a_cpu_machine(tmp_path: Path, trainer: dic
 def test_a_world_size_other_than_planned_is_one_error(tmp_path: Path) -> None:
     """accelerate starts one process for a MULTI_CPU config without MPI: the run refuses instead of
     training a batch other than the one it stated."""
-    from vpo.pipeline.context import StageContext
-    from vpo.pipeline.errors import StageError
-    from vpo.pipeline.layout import RunLayout
+    from vpo.pipeline.engine.context import StageContext
+    from vpo.pipeline.engine.errors import StageError
+    from vpo.pipeline.config.layout import RunLayout
     from vpo.pipeline.stages.train import _check_world
 
     (tmp_path / "accel.yaml").write_text(yaml.safe_dump({"distributed_type": "MULTI_CPU", "num_processes": 2}))
@@ -216,9 +216,9 @@ def test_a_world_size_other_than_planned_is_one_error(tmp_path: Path) -> None:
 
 
 def test_a_value_trl_refuses_is_one_stage_error_before_any_model_loads(tmp_path: Path) -> None:
-    from vpo.pipeline.context import StageContext
-    from vpo.pipeline.errors import StageError
-    from vpo.pipeline.layout import RunLayout
+    from vpo.pipeline.engine.context import StageContext
+    from vpo.pipeline.engine.errors import StageError
+    from vpo.pipeline.config.layout import RunLayout
     from vpo.pipeline.stages.train import train
 
     cfg = _pipeline(tmp_path, trainer={"auto_find_batch_size": True})

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from vpo.pipeline.state import (
+from vpo.pipeline.engine.state import (
     Fingerprint,
     content_digest,
     describe_changes,
@@ -106,8 +106,8 @@ def test_runner_skips_records_rebuilds_and_cleans(tmp_path: Path, capsys: pytest
     with the reason, when a setting it reads changed; a setting it does not read changes nothing; a
     temp folder left by a killed run is removed before the stage runs again."""
     from vpo.pipeline.config import load_pipeline
-    from vpo.pipeline.graph import plan
-    from vpo.pipeline.layout import RunLayout
+    from vpo.pipeline.steps import plan
+    from vpo.pipeline.config.layout import RunLayout
     from vpo.pipeline.runner import run_step, staleness
 
     data = yaml.safe_load((REPO / "pipelines.yaml").read_text())
@@ -152,9 +152,9 @@ def test_a_full_disk_is_one_clear_error(tmp_path: Path, error: BaseException) ->
     from dataclasses import replace
 
     from vpo.pipeline.config import load_pipeline
-    from vpo.pipeline.errors import StageError
-    from vpo.pipeline.graph import Step, stage
-    from vpo.pipeline.layout import arm_runs
+    from vpo.pipeline.engine.errors import StageError
+    from vpo.pipeline.steps import Step, stage
+    from vpo.pipeline.config.layout import arm_runs
     from vpo.pipeline.runner import run_step
 
     data = yaml.safe_load((REPO / "pipelines.yaml").read_text())
@@ -183,7 +183,7 @@ def test_adding_a_seed_leaves_the_existing_runs_up_to_date(tmp_path: Path) -> No
     """A run's request is its arm's settings and its own seed: another seed in the arm's list does not
     make it stale, while a setting of that arm does."""
     from vpo.pipeline.config import load_pipeline
-    from vpo.pipeline.graph import plan
+    from vpo.pipeline.steps import plan
     from vpo.pipeline.runner import fingerprint
 
     def train_fp(**arm: object) -> dict:

@@ -78,7 +78,7 @@ class Started:
         return proc
 
     def stop(self) -> None:
-        from vpo.pipeline.processes import kill_group
+        from vpo.pipeline.engine.processes import kill_group
 
         for _, proc, _ in reversed(self.procs):
             kill_group(proc)
@@ -148,7 +148,7 @@ def test_two_arms_train_at_the_same_time_on_two_workers(pool: dict[str, Any]) ->
     deployment, the two run on different workers (checkouts) at overlapping times, the flow pulls their
     outputs, evaluates and registers; the registry verifies against the workspace, `dvc status` is clean
     and the remote holds every output."""
-    from vpo.pipeline.checkpoints import content_hash
+    from vpo.pipeline.engine.checkpoints import content_hash
     from vpo.pipeline.registry import Registry
 
     repo, root = pool["repo"], pool["root"]

@@ -75,7 +75,7 @@ class VPOConfig(GRPOConfig):
     """GRPOConfig plus the advantage estimator and its settings (VPO_SPEC 1.4-1.5, 6). Bounds and choices
     are declared in each field's metadata (``ge``/``gt``/``le``, ``choices``; for a few of TRL's string
     fields too): checked here and, without importing TRL, when a pipeline config loads
-    (:mod:`vpo.pipeline.settings`)."""
+    (:mod:`vpo.pipeline.config.settings`)."""
 
     loss_type: str = _trl_field("loss_type", ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"))
     scale_rewards: str = _trl_field("scale_rewards", ("group", "batch", "none"))

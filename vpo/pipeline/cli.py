@@ -12,7 +12,7 @@
 A stage runs only when its output does not answer the current settings, code and inputs (it says
 why); ``--force`` runs it anyway. Exit codes: 0 done; 2 bad input (config, data, reward, checkpoint,
 full disk: one ``error:`` line naming the file/row/key and what to do -- a config file that is not
-UTF-8 or a disk full before the first stage included); 3 the run folder is locked by another run (see :mod:`vpo.pipeline.locking`); 130 Ctrl-C, 143 SIGTERM (every process the command
+UTF-8 or a disk full before the first stage included); 3 the run folder is locked by another run (see :mod:`vpo.pipeline.engine.locking`); 130 Ctrl-C, 143 SIGTERM (every process the command
 started is stopped first, one line says how to resume); other codes are crashes.
 
 Commands of other layers join through the ``vpo.commands`` entry point group: each entry is a
@@ -123,7 +123,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _parser_and_handlers() -> tuple[argparse.ArgumentParser, dict[str, Handler]]:
-    from vpo.pipeline.graph import STAGES
+    from vpo.pipeline.steps import STAGES
 
     handlers: dict[str, Handler] = {}
     ap = argparse.ArgumentParser(prog="vpo", description="Vector Policy Optimization pipeline")
@@ -169,7 +169,7 @@ def _parser_and_handlers() -> tuple[argparse.ArgumentParser, dict[str, Handler]]
 
 def _print_tables(cfg: Any, ran_search: bool) -> None:
     """The run's result tables, once, after the last stage (the stages write them to the log only)."""
-    from vpo.pipeline.layout import RunLayout
+    from vpo.pipeline.config.layout import RunLayout
 
     layout = RunLayout.of(cfg)
     print("\n" + layout.eval_table.read_text())
@@ -184,7 +184,7 @@ def _log_path(args: argparse.Namespace, cfg: Any) -> Any:
     their output reaches the parent's console and log)."""
     import time
 
-    from vpo.pipeline.layout import RunLayout
+    from vpo.pipeline.config.layout import RunLayout
     from vpo.pipeline.stages.train import CHILD_ENV
 
     if os.environ.get(CHILD_ENV):
@@ -196,7 +196,7 @@ def _log_path(args: argparse.Namespace, cfg: Any) -> Any:
 
 def resume_hint(argv: Sequence[str] | None) -> str:
     """``run `bin/vpo run --quick` again to resume (...)``: the command as it runs from here."""
-    from vpo.pipeline.console import command
+    from vpo.pipeline.engine.console import command
 
     words = list(sys.argv[1:] if argv is None else argv)
     return (f"run `{command(*words)}` again to resume (finished stages are kept, training resumes "
@@ -204,7 +204,7 @@ def resume_hint(argv: Sequence[str] | None) -> str:
 
 
 def _closing_line() -> None:
-    from vpo.pipeline import console
+    from vpo.pipeline.engine import console
 
     path = console.log_file()
     if path is None:
@@ -218,9 +218,9 @@ def _closing_line() -> None:
 
 
 def _stage(args: argparse.Namespace, cfg: Any) -> int:
-    from vpo.pipeline.graph import plan
-    from vpo.pipeline.layout import RunLayout
-    from vpo.pipeline.locking import pipeline_lock
+    from vpo.pipeline.steps import plan
+    from vpo.pipeline.config.layout import RunLayout
+    from vpo.pipeline.engine.locking import pipeline_lock
     from vpo.pipeline.runner import run_step
     from vpo.pipeline.stages.train import CHILD_ENV
 
@@ -237,7 +237,7 @@ def _stage(args: argparse.Namespace, cfg: Any) -> int:
                   f"arms: {', '.join(a.name for a in cfg.enabled_arms)}")
     layout = RunLayout.of(cfg)
     if os.environ.get(CHILD_ENV) and args.name == "train":  # a process started by `accelerate launch`
-        from vpo.pipeline.context import StageContext
+        from vpo.pipeline.engine.context import StageContext
         from vpo.pipeline.stages.train import train
 
         for step in steps:
@@ -258,10 +258,10 @@ def _search_shard(cfg: Any, arm: str) -> int:
     (``vpo stage search`` starts these itself when arms can search at once, then puts them together)."""
     import time
 
-    from vpo.pipeline.console import stage_done
-    from vpo.pipeline.context import StageContext
-    from vpo.pipeline.layout import RunLayout
-    from vpo.pipeline.locking import pipeline_lock
+    from vpo.pipeline.engine.console import stage_done
+    from vpo.pipeline.engine.context import StageContext
+    from vpo.pipeline.config.layout import RunLayout
+    from vpo.pipeline.engine.locking import pipeline_lock
     from vpo.pipeline.stages.search import search_shard
 
     layout = RunLayout.of(cfg)
@@ -311,22 +311,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             _fail(str(exc))
         return 0
     if args.cmd == "dvc":
-        from vpo.pipeline.dvcgen import main as dvc_main
+        from vpo.pipeline.dvc.generate import main as dvc_main
 
         return dvc_main(["--config", args.config, *(["--check"] if args.check else []),
                          *[a for v in args.add for a in ("--add", v)], *[a for v in args.remove for a in ("--remove", v)]])
     cfg = load_config(args)
     if args.cmd == "plan":
-        from vpo.pipeline.errors import StageError
-        from vpo.pipeline.plan import main as plan_main
+        from vpo.pipeline.engine.errors import StageError
+        from vpo.pipeline.memory import main as plan_main
 
         try:
             return plan_main(cfg, device=args.device, memory_gib=args.memory, tflops=args.tflops,
                              processes=args.processes, arm=args.arm, as_json=args.json)
         except (StageError, ValueError) as exc:
             _fail(str(exc))
-    from vpo.pipeline import console
-    from vpo.pipeline.processes import describe, exit_code, stop_on_signals
+    from vpo.pipeline.engine import console
+    from vpo.pipeline.engine.processes import describe, exit_code, stop_on_signals
 
     try:
         with console.session(_log_path(args, cfg), defer_tables=args.cmd == "run"):
@@ -342,7 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:  # the run folder's disk is full before a stage could say so (lock, log)
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
-        from vpo.pipeline.layout import RunLayout
+        from vpo.pipeline.config.layout import RunLayout
 
         where = exc.filename or RunLayout.of(cfg).root
         _fail(f"disk full at {where} ({exc.strerror or exc}); free space and run `{console.command(*argv)}` again")
@@ -351,11 +351,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _job(args: argparse.Namespace, cfg: Any) -> int:
     """``vpo run`` / ``vpo stage``: exit 0 done, 2 bad input, 3 locked (one ``error:`` line each)."""
-    from vpo.pipeline.errors import EXIT_BAD_INPUT, EXIT_LOCKED, StageError
-    from vpo.pipeline.locking import LockBusyError
+    from vpo.pipeline.engine.errors import EXIT_BAD_INPUT, EXIT_LOCKED, StageError
+    from vpo.pipeline.engine.locking import LockBusyError
     from vpo.pipeline.registry.entries import RegistryError, StorageUnavailableError
     from vpo.pipeline.runner import StageProcessFailed
-    from vpo.pipeline.storage import redact
+    from vpo.pipeline.engine.storage import redact
     from vpo.pipeline.validation import ValidationError
     from vpo.rewards import RewardError
 

@@ -40,8 +40,8 @@ from vpo.memory_plan import (
     ram,
 )
 from vpo.pipeline.config import PipelineConfig
-from vpo.pipeline.errors import StageError
-from vpo.pipeline.layout import ArmRun, RunLayout
+from vpo.pipeline.engine.errors import StageError
+from vpo.pipeline.config.layout import ArmRun, RunLayout
 
 __all__ = ["MODEL_CONFIGS", "PLAN_ENV", "arm_plan", "check_plan", "local_device", "model_shape", "parallel_of",
            "shipped_config", "trl_defaults"]
@@ -91,7 +91,7 @@ def model_shape(cfg: PipelineConfig, layout: RunLayout | None = None) -> tuple[M
     if base_config.is_file():
         config, source = _read_config(base_config), f"the base model ({layout.base})"
     elif m.builder == "tiny":
-        from vpo.pipeline.context import build_task
+        from vpo.pipeline.engine.context import build_task
         from vpo.tiny import DEFAULT_SIZE, SPECIAL_TOKENS
 
         charset = build_task(cfg).charset
@@ -246,7 +246,7 @@ def arm_plan(cfg: PipelineConfig, run: ArmRun, *, device: Device, parallel: Para
              shape: tuple[ModelShape, str, str] | None = None, defaults: Mapping[str, Any] | None = None) -> Plan:
     """The plan of one arm run. ``kwargs``: the VPOConfig arguments (default: what the train stage
     would build; a built config's ``vars()`` also works)."""
-    from vpo.pipeline.settings import vpo_config_kwargs
+    from vpo.pipeline.config.settings import vpo_config_kwargs
 
     layout = layout or RunLayout.of(cfg)
     model, dtype, _ = shape or model_shape(cfg, layout)
@@ -265,7 +265,7 @@ def check_plan(ctx: Any, args: Any) -> Plan:
     """The train stage's check before it loads the model: the plan of this arm run with the built
     VPOConfig ``args`` on this process's device. Raises :class:`StageError` naming the setting to
     change when it does not fit (``VPO_MEMORY_PLAN=warn``: log it and go on)."""
-    from vpo.pipeline.console import detail, log
+    from vpo.pipeline.engine.console import detail, log
 
     cfg, run = ctx.cfg, ctx.arm_run
     values = {k: getattr(args, k) for k in TrainSettings.FIELDS if hasattr(args, k)}

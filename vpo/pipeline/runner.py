@@ -6,8 +6,8 @@ stage only when they differ ("vpo-s0: trainer.learning_rate changed 0.0001 -> 0.
 then records the new output. :func:`run_all` is ``vpo run``: every step of the plan under the run
 folder's lock, in order, except that independent steps (the arm x seed training runs) run side by
 side, each as its own ``vpo stage train`` process with its own threads and GPUs
-(:mod:`vpo.pipeline.execution`, ``execution.max_parallel``). When DVC manages the variant, the
-steps are then recorded in ``dvc.lock`` (:mod:`vpo.pipeline.dvcrecord`), so ``dvc repro`` after
+(:mod:`vpo.pipeline.engine.execution`, ``execution.max_parallel``). When DVC manages the variant, the
+steps are then recorded in ``dvc.lock`` (:mod:`vpo.pipeline.dvc.record`), so ``dvc repro`` after
 ``vpo run`` re-runs nothing.
 """
 
@@ -22,15 +22,15 @@ from typing import Any
 
 from vpo.atomic import remove_stale_temps, remove_temps_in
 from vpo.pipeline.config import RUN_INDEPENDENT_ARM_KEYS, PipelineConfig
-from vpo.pipeline.console import log, stage_done, stage_started
-from vpo.pipeline.context import StageContext
-from vpo.pipeline.errors import StageError
-from vpo.pipeline.execution import ExecutionPlan, execution_plan, stage_threads, torch_threads
-from vpo.pipeline.fanout import StageProcessFailed, run_processes
-from vpo.pipeline.graph import Step, plan, stage
-from vpo.pipeline.layout import RunLayout, arm_runs
-from vpo.pipeline.settings import check_hardware
-from vpo.pipeline.state import Fingerprint, code_hashes, content_digest, read_state, why_stale, write_state
+from vpo.pipeline.engine.console import log, stage_done, stage_started
+from vpo.pipeline.engine.context import StageContext
+from vpo.pipeline.engine.errors import StageError
+from vpo.pipeline.engine.execution import ExecutionPlan, execution_plan, stage_threads, torch_threads
+from vpo.pipeline.engine.fanout import StageProcessFailed, run_processes
+from vpo.pipeline.steps import Step, plan, stage
+from vpo.pipeline.config.layout import RunLayout, arm_runs
+from vpo.pipeline.config.settings import check_hardware
+from vpo.pipeline.engine.state import Fingerprint, code_hashes, content_digest, read_state, why_stale, write_state
 
 __all__ = ["StageProcessFailed", "fingerprint", "independent_groups", "run_all", "run_side_by_side", "run_step",
            "staleness"]
@@ -200,10 +200,10 @@ def _shown_path(path: Any) -> str:
 def run_all(cfg: PipelineConfig, stages: Sequence[str] | None = None, *, search: bool = True,
             force: bool = False, progress: bool = True, record: bool = True) -> dict[str, Any]:
     """Run the plan's steps (the main job) holding the run folder's lock
-    (:class:`vpo.pipeline.locking.LockBusyError` at once if another run holds it): in order, the
+    (:class:`vpo.pipeline.engine.locking.LockBusyError` at once if another run holds it): in order, the
     training runs side by side when ``execution.max_parallel`` allows; then, with ``record``, record
     them in ``dvc.lock`` when DVC manages this variant."""
-    from vpo.pipeline.locking import pipeline_lock
+    from vpo.pipeline.engine.locking import pipeline_lock
 
     layout = RunLayout.of(cfg)
     steps = plan(cfg, stages, search=search)
@@ -217,7 +217,7 @@ def run_all(cfg: PipelineConfig, stages: Sequence[str] | None = None, *, search:
             for step in group:
                 results[step.label] = run_step(cfg, step, layout=layout, force=force, progress=progress)
         if record:
-            from vpo.pipeline.dvcrecord import record_steps
+            from vpo.pipeline.dvc.record import record_steps
 
             record_steps(cfg, [s for s in steps if s.stage.in_dvc])
     return results

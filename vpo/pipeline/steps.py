@@ -1,10 +1,10 @@
 """The stage table: every stage of a pipeline, what it reads and writes, in run order.
 
-``vpo run``, the CLI's stage list and help, ``dvc.yaml`` (:mod:`vpo.pipeline.dvcgen` renders it), the
+``vpo run``, the CLI's stage list and help, ``dvc.yaml`` (:mod:`vpo.pipeline.dvc.generate` renders it), the
 Prefect flow's plan and the benchmarks all read this table, so a stage is added or changed here and
 nowhere else. ``params`` are keys of :meth:`PipelineConfig.settings` (``arm`` is the run's own arm);
 ``code`` lists the files whose content the output depends on (the task's own file is added): both feed
-the stage's fingerprint (:mod:`vpo.pipeline.state`) and its DVC deps.
+the stage's fingerprint (:mod:`vpo.pipeline.engine.state`) and its DVC deps.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from vpo.pipeline.config import PipelineConfig
-from vpo.pipeline.context import StageContext
-from vpo.pipeline.layout import ArmRun, arm_runs
+from vpo.pipeline.engine.context import StageContext
+from vpo.pipeline.config.layout import ArmRun, arm_runs
 from vpo.pipeline.stages import base, data, evaluate, register, rewards, search, train
 
 __all__ = ["STAGES", "Stage", "Step", "plan", "stage"]
@@ -63,7 +63,7 @@ STAGES: tuple[Stage, ...] = (
           volatile=("summary.json", "sft_metrics.json")),
     Stage("train", "train one arm run (estimator x seed) from the base; resumes from checkpoints",
           train.run, inputs=("data", "rewards", "base"), params=("task", "trainer", "arm"),
-          code=("vpo/pipeline/settings.py", "vpo/pipeline/checkpoints.py", "vpo/trainer.py", *_ADVANTAGES,
+          code=("vpo/pipeline/config/settings.py", "vpo/pipeline/engine/checkpoints.py", "vpo/trainer.py", *_ADVANTAGES,
                 "vpo/metrics.py"),
           per_run=True, volatile=("progress.json", "live", "tensorboard", "metrics.json", "history.json"), scratch=("trainer",)),
     Stage("evaluate", "best@k, pass@k, E_w[best@k], diversity of the base and every arm run",
@@ -83,7 +83,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("register", "register every arm checkpoint (content hash, lineage, metrics) in the registry",
           register.run, inputs=("train", "evaluate"), params=("storage",),
           code=("vpo/pipeline/registry/__init__.py", "vpo/pipeline/registry/entries.py",
-                "vpo/pipeline/registry/store.py", "vpo/pipeline/registry/versions.py", "vpo/pipeline/hub.py"),
+                "vpo/pipeline/registry/store.py", "vpo/pipeline/registry/versions.py", "vpo/pipeline/registry/hub.py"),
           cached=False, in_dvc=False),
 )
 

@@ -14,10 +14,10 @@ folder is ``<storage.runs_dir>/<variant>/``::
     search/      table.md, curves.json, ... , checkpoints/ (resume)    stage search
     registry.json                                                        stage register
     logs/        <time>-<command>.log: the full log of each `vpo run` / `vpo stage`
-    .lock, .locks/                                                       vpo.pipeline.locking
+    .lock, .locks/                                                       vpo.pipeline.engine.locking
 
 Every stage output folder also holds ``stage.json``: the record of the settings, code and inputs
-that produced it (:mod:`vpo.pipeline.state`). Paths are absolute for a loaded config
+that produced it (:mod:`vpo.pipeline.engine.state`). Paths are absolute for a loaded config
 (:meth:`RunLayout.of`) or relative to the repository for ``dvc.yaml`` (:meth:`RunLayout.relative`).
 """
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from vpo.pipeline.names import run_id
+from vpo.pipeline.config.names import run_id
 
 if TYPE_CHECKING:
     from vpo.pipeline.config import ArmConfig, PipelineConfig

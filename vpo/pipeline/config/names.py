@@ -1,5 +1,5 @@
 """The names a run is known by: the variant (run folder, DVC stage prefix, params.yaml key) and the run
-id of one training run. The one owner of both formats (:mod:`vpo.pipeline.layout` builds paths from them)."""
+id of one training run. The one owner of both formats (:mod:`vpo.pipeline.config.layout` builds paths from them)."""
 
 from __future__ import annotations
 

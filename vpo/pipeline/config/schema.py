@@ -14,7 +14,7 @@ YAML line, or "from --set" for a command-line value) and what was expected, befo
 Loading imports nothing heavy: no Prefect, DVC, transformers or TRL.
 
 ``trainer:`` and each arm take any field of :class:`vpo.trainer.VPOConfig` (TRL's GRPOConfig plus the
-estimator's), typed from the dataclass's generated field table (:mod:`vpo.pipeline.settings`); an
+estimator's), typed from the dataclass's generated field table (:mod:`vpo.pipeline.config.settings`); an
 arm's value wins over the trainer's (resolved when the pipeline loads), and what a run ends up with
 is checked here too (estimator-specific settings, TRL's batch divisibility on the world size). YAML is
 read with numbers in exponent form (``1e-4``) as numbers, in the file and in ``--set`` values.
@@ -54,7 +54,7 @@ from pydantic import (
     model_validator,
 )
 
-from vpo.pipeline.names import variant_name
+from vpo.pipeline.config.names import variant_name
 
 __all__ = [
     "PARAMS_FILE",
@@ -283,7 +283,7 @@ _Float = Annotated[float, WrapValidator(_keep_int), PlainSerializer(lambda v: v,
 
 
 def _annotation(spec: Mapping[str, Any], choices: Sequence[Any] | None = None) -> Any:
-    """The pydantic type of a VPOConfig field's type description (:func:`vpo.pipeline.settings._type_spec`);
+    """The pydantic type of a VPOConfig field's type description (:func:`vpo.pipeline.config.settings._type_spec`);
     ``choices`` (declared in the field's metadata) narrow its strings."""
     kind = spec["type"]
     if kind == "str" and choices:
@@ -310,8 +310,8 @@ def _annotation(spec: Mapping[str, Any], choices: Sequence[Any] | None = None) -
 
 def _vpo_field(name: str, spec: Mapping[str, Any], default: Any) -> tuple[Any, Any]:
     """(annotation, FieldInfo) of one VPOConfig field: its type, its default, the bounds it declares or
-    :data:`vpo.pipeline.settings.BOUNDS` gives (applied to the non-null member of an optional type)."""
-    from vpo.pipeline.settings import BOUNDS
+    :data:`vpo.pipeline.config.settings.BOUNDS` gives (applied to the non-null member of an optional type)."""
+    from vpo.pipeline.config.settings import BOUNDS
 
     bounds = {k: v for k, v in {**spec, **BOUNDS.get(name, {})}.items() if k in ("gt", "ge", "lt", "le")}
     annotation = _annotation(spec["type"], spec.get("choices"))
@@ -327,8 +327,8 @@ def _vpo_field(name: str, spec: Mapping[str, Any], default: Any) -> tuple[Any, A
 
 def _vpo_fields(exclude: Sequence[str]) -> dict[str, tuple[Any, Any]]:
     """Pydantic fields for every VPOConfig field not in ``exclude`` nor reserved by the pipeline, with the
-    pipeline's :data:`~vpo.pipeline.settings.DEFAULTS` over VPOConfig's own defaults."""
-    from vpo.pipeline.settings import DEFAULTS, RESERVED, vpo_fields
+    pipeline's :data:`~vpo.pipeline.config.settings.DEFAULTS` over VPOConfig's own defaults."""
+    from vpo.pipeline.config.settings import DEFAULTS, RESERVED, vpo_fields
 
     out = {}
     for name, spec in vpo_fields().items():
@@ -346,7 +346,7 @@ class RLLoraConfig(LoraConfig):
 
 
 class _TrainerBase(_Strict):
-    """The pipeline's own trainer settings (:data:`vpo.pipeline.settings.PIPELINE_ONLY`); every other
+    """The pipeline's own trainer settings (:data:`vpo.pipeline.config.settings.PIPELINE_ONLY`); every other
     field of :class:`TrainerConfig` is a VPOConfig field under its own name."""
 
     max_prompt_length: PositiveInt | None = Field(
@@ -395,10 +395,10 @@ class _TrainerBase(_Strict):
         return self
 
 
-TrainerConfig = create_model(  # every VPOConfig field, validated by its own type (see vpo.pipeline.settings)
+TrainerConfig = create_model(  # every VPOConfig field, validated by its own type (see vpo.pipeline.config.settings)
     "TrainerConfig", __base__=_TrainerBase, __module__=__name__,
     __doc__="RL trainer settings shared by all arms: any field of :class:`vpo.trainer.VPOConfig` (TRL's GRPOConfig "
-            "plus the estimator's) under its own name, plus the pipeline's own (see :mod:`vpo.pipeline.settings`).",
+            "plus the estimator's) under its own name, plus the pipeline's own (see :mod:`vpo.pipeline.config.settings`).",
     **_vpo_fields(exclude=[*_TrainerBase.model_fields, "estimator"]),  # each arm is one estimator
 )
 
@@ -545,7 +545,7 @@ class SearchConfig(_Strict):
 
 class ExecutionConfig(_Strict):
     """How independent stages (the arm x seed training runs, each arm's search) share the machine; read
-    by :mod:`vpo.pipeline.execution`. Results never depend on these: each run's thread count is the
+    by :mod:`vpo.pipeline.engine.execution`. Results never depend on these: each run's thread count is the
     same whether it runs alone or beside others."""
 
     max_parallel: PositiveInt | None = Field(
@@ -682,7 +682,7 @@ class PipelineConfig(_Strict):
         sections; of ``trainer`` what is set plus the pipeline's own settings and defaults, and of each
         enabled arm (keyed by name, ``arms.<name>``) what it sets itself -- not the ~200 TRL defaults
         behind them, nor the arms that do not run."""
-        from vpo.pipeline.settings import DEFAULTS
+        from vpo.pipeline.config.settings import DEFAULTS
 
         data = self.model_dump(mode="json", exclude={"name", "description", "trainer", "arms"})
         return self._ordered(data, _explicit(self.trainer, keep=[*_TrainerBase.model_fields, *DEFAULTS]))
@@ -863,7 +863,7 @@ _MOVED: dict[tuple[str, str], str] = {
 
 def _unknown_key(owner: type[BaseModel] | None, key: str) -> str:
     """The message for an unknown key of ``owner``: where it moved, or the closest names."""
-    from vpo.pipeline.settings import PIPELINE_ONLY, RESERVED, TRL_DOCS
+    from vpo.pipeline.config.settings import PIPELINE_ONLY, RESERVED, TRL_DOCS
 
     name = owner.__name__ if owner is not None else ""
     if (name, key) in _MOVED:
@@ -1091,7 +1091,7 @@ def _run_problems(cfg: PipelineConfig) -> list[tuple[tuple[str | int, ...], str]
     """Problems of the settings a run ends up with (an arm's own values over the trainer's): settings
     of one estimator given to another, and batches TRL cannot split into whole prompt groups on the
     world size (from ``trainer.accelerate_config``, else ``WORLD_SIZE``)."""
-    from vpo.pipeline.settings import batch_plan
+    from vpo.pipeline.config.settings import batch_plan
 
     out: list[tuple[tuple[str | int, ...], str]] = []
     for i, arm in enumerate(cfg.arms):

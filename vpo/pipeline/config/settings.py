@@ -5,7 +5,7 @@
 plus the estimator's own fields -- under its own name and type. A run's value is the arm's, else the
 trainer's, else :data:`DEFAULTS` (the pipeline's choices, e.g. the paper's constant learning rate),
 else VPOConfig's default. Names and types come from the dataclass itself: :data:`FIELDS_MODULE` is
-generated from ``dataclasses.fields(VPOConfig)`` and its type hints (``python -m vpo.pipeline.settings``
+generated from ``dataclasses.fields(VPOConfig)`` and its type hints (``python -m vpo.pipeline.config.settings``
 rewrites it; a test fails when it is stale), so loading ``pipelines.yaml`` never imports TRL. When the
 installed TRL or transformers differ from the versions it was generated with, the live dataclass is
 read instead.
@@ -34,11 +34,11 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vpo.pipeline.errors import StageError
+from vpo.pipeline.engine.errors import StageError
 
 if TYPE_CHECKING:
     from vpo.pipeline.config import ArmConfig, PipelineConfig
-    from vpo.pipeline.layout import ArmRun
+    from vpo.pipeline.config.layout import ArmRun
 
 __all__ = ["BOUNDS", "DEFAULTS", "FIELDS_MODULE", "PIPELINE_ONLY", "RESERVED", "TRL_DOCS", "BatchPlan", "batch_plan",
            "check_hardware", "describe_vpo_config", "vpo_config_kwargs", "vpo_fields", "world_size"]
@@ -46,7 +46,7 @@ __all__ = ["BOUNDS", "DEFAULTS", "FIELDS_MODULE", "PIPELINE_ONLY", "RESERVED", "
 TRL_DOCS = "https://huggingface.co/docs/trl/grpo_trainer#trl.GRPOConfig"
 """Where TRL documents every GRPOConfig field (named in errors and in pipelines.yaml)."""
 
-FIELDS_MODULE = "vpo.pipeline.vpo_config_fields"
+FIELDS_MODULE = "vpo.pipeline.config.vpo_config_fields"
 """The generated table of VPOConfig's field names, types, defaults and declared bounds/choices."""
 
 DEFAULTS: dict[str, tuple[Any, str]] = {
@@ -200,7 +200,7 @@ def _versions() -> dict[str, str]:
 def _module_text(table: dict[str, Any]) -> str:
     import pprint
 
-    lines = ['"""GENERATED from vpo.trainer.VPOConfig by `python -m vpo.pipeline.settings`: its init fields\' types,',
+    lines = ['"""GENERATED from vpo.trainer.VPOConfig by `python -m vpo.pipeline.config.settings`: its init fields\' types,',
              "defaults and declared bounds/choices, read when pipelines.yaml loads (without importing TRL).",
              'Do not edit; a test fails when this differs from the dataclass."""', "",
              f"VERSIONS = {table['versions']!r}", "", "FIELDS = {"]

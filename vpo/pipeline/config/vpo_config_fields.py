@@ -1,4 +1,4 @@
-"""GENERATED from vpo.trainer.VPOConfig by `python -m vpo.pipeline.settings`: its init fields' types,
+"""GENERATED from vpo.trainer.VPOConfig by `python -m vpo.pipeline.config.settings`: its init fields' types,
 defaults and declared bounds/choices, read when pipelines.yaml loads (without importing TRL).
 Do not edit; a test fails when this differs from the dataclass."""
 

@@ -1,7 +1,7 @@
 """Generate ``dvc.yaml`` and ``params.yaml`` from ``pipelines.yaml`` and the stage table.
 
 ``vpo dvc`` rewrites both files; ``vpo dvc --check`` exits 1 when a committed one differs from what
-``pipelines.yaml`` and :mod:`vpo.pipeline.graph` imply (a test runs the same check).
+``pipelines.yaml`` and :mod:`vpo.pipeline.steps` imply (a test runs the same check).
 
 * Only the *declared* variants are in both files (:data:`DEFAULT_VARIANTS`: ``route-quick``; ``vpo dvc
   --add route`` declares the full main job): DVC reports on what is in use, never on dozens of stages
@@ -45,9 +45,9 @@ from vpo.pipeline.config import (
     settings_digest,
     variant_settings,
 )
-from vpo.pipeline.graph import Step, plan
-from vpo.pipeline.layout import RunLayout, arm_runs
-from vpo.pipeline.state import CODE_ROOT
+from vpo.pipeline.steps import Step, plan
+from vpo.pipeline.config.layout import RunLayout, arm_runs
+from vpo.pipeline.engine.state import CODE_ROOT
 
 __all__ = ["DEFAULT_VARIANTS", "LAUNCHER", "declared_variants", "dvc_yaml_text", "generate", "main",
            "params_yaml_text", "variants"]
@@ -110,7 +110,7 @@ def declared_variants(config: str | Path = DEFAULT_PATH) -> list[str]:
 def variants(config: str | Path = DEFAULT_PATH, names: Sequence[str] | None = None) -> list[PipelineConfig]:
     """The loaded configs of the variants ``names`` (default: :func:`declared_variants`), in the order
     of ``pipelines.yaml`` (full before quick). An unknown variant is a ValueError listing the known ones."""
-    from vpo.pipeline.names import variant_name
+    from vpo.pipeline.config.names import variant_name
 
     wanted = list(declared_variants(config) if names is None else names)
     raw = load_yaml(read_text(Path(config)))
@@ -158,7 +158,7 @@ def _params(cfg: PipelineConfig, step: Step) -> list[dict[str, list[str]]]:
 
 
 def _input_paths(cfg: PipelineConfig, layout: RunLayout, step: Step) -> list[str]:
-    from vpo.pipeline.graph import stage as stage_named
+    from vpo.pipeline.steps import stage as stage_named
 
     paths: list[str] = []
     for up in step.stage.inputs:
@@ -173,7 +173,7 @@ def _artifacts(cfg: PipelineConfig, layout: RunLayout) -> dict[str, Any]:
     """One DVC model artifact per arm run: its final model folder (``dvc artifacts get . NAME``; GTO
     versions and stages name it too). ``meta`` says where the run's metrics, lineage and git revision
     are recorded: values that change with every run would make this generated file stale."""
-    from vpo.pipeline.graph import stage
+    from vpo.pipeline.steps import stage
     from vpo.pipeline.registry.entries import artifact_name
 
     train = stage("train")

@@ -27,7 +27,7 @@ import yaml
 
 if TYPE_CHECKING:
     from vpo.pipeline.config import PipelineConfig
-    from vpo.pipeline.graph import Step
+    from vpo.pipeline.steps import Step
 
 __all__ = ["declared_stages", "dvc_command", "record_steps", "unmanaged_reason"]
 
@@ -86,7 +86,7 @@ def unmanaged_reason(cfg: PipelineConfig, names: Sequence[str]) -> str | None:
 def record_steps(cfg: PipelineConfig, steps: Sequence[Step]) -> bool:
     """Record ``steps`` in ``dvc.lock`` with ``dvc commit`` when DVC manages them; True when recorded.
     A failing commit is one warning line (the outputs are intact; ``dvc repro`` would re-run them)."""
-    from vpo.pipeline.console import detail, log
+    from vpo.pipeline.engine.console import detail, log
 
     names = [s.dvc_name(cfg.variant) for s in steps]
     if not names:

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from vpo.pipeline.console import log
-from vpo.pipeline.errors import StageError
+from vpo.pipeline.engine.console import log
+from vpo.pipeline.engine.errors import StageError
 
 __all__ = ["FileRecord", "IncompleteCheckpointError", "check_checkpoint", "check_model_dir", "checkpoint_problem",
            "checkpoint_step", "content_hash", "latest_checkpoint", "manifest_hash", "model_manifest",

@@ -8,10 +8,10 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from vpo.pipeline.config import ConfigError, PipelineConfig
-from vpo.pipeline.layout import ArmRun, RunLayout
+from vpo.pipeline.config.layout import ArmRun, RunLayout
 
 if TYPE_CHECKING:
-    from vpo.pipeline.state import Fingerprint
+    from vpo.pipeline.engine.state import Fingerprint
     from vpo.tasks import Task
 
 __all__ = ["StageContext", "build_task"]

@@ -157,7 +157,7 @@ def stage_threads(cfg: PipelineConfig, n_stages: int | None = None, machine: Mac
     from_env = _env_threads("OMP_NUM_THREADS")
     if from_env is not None:
         return from_env
-    from vpo.pipeline.layout import arm_runs
+    from vpo.pipeline.config.layout import arm_runs
 
     machine = machine or Machine.detect()
     n = n_stages if n_stages is not None else len(arm_runs(cfg))
@@ -166,7 +166,7 @@ def stage_threads(cfg: PipelineConfig, n_stages: int | None = None, machine: Mac
 
 def execution_plan(cfg: PipelineConfig, n_stages: int, machine: Machine | None = None) -> ExecutionPlan:
     """How ``n_stages`` independent training runs of ``cfg`` run on ``machine`` (default: this one)."""
-    from vpo.pipeline.layout import arm_runs
+    from vpo.pipeline.config.layout import arm_runs
 
     machine = machine or Machine.detect()
     devices = stage_devices(cfg, machine)

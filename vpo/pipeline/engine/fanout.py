@@ -15,10 +15,10 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from vpo.pipeline.console import relay
-from vpo.pipeline.errors import EXIT_BAD_INPUT, EXIT_LOCKED, StageError
-from vpo.pipeline.execution import ExecutionPlan, Slot
-from vpo.pipeline.layout import RunLayout
+from vpo.pipeline.engine.console import relay
+from vpo.pipeline.engine.errors import EXIT_BAD_INPUT, EXIT_LOCKED, StageError
+from vpo.pipeline.engine.execution import ExecutionPlan, Slot
+from vpo.pipeline.config.layout import RunLayout
 
 __all__ = ["StageProcessFailed", "run_processes"]
 
@@ -42,7 +42,7 @@ class _Child:
 def _shown(line: str, label: str) -> bool:
     """Whether a stage process's output line is a console line (stage events, its bar, its error);
     none once this command is stopping (its own line says how to resume, not each stage's)."""
-    from vpo.pipeline.processes import stopping
+    from vpo.pipeline.engine.processes import stopping
 
     if line.startswith("[vpo] full log: ") or stopping():
         return False
@@ -69,8 +69,8 @@ def _pump(child: _Child) -> None:
 
 
 def _start_child(label: str, argv: Sequence[str], slot: Slot, layout: RunLayout) -> _Child:
-    from vpo.pipeline.locking import child_env
-    from vpo.pipeline.processes import track
+    from vpo.pipeline.engine.locking import child_env
+    from vpo.pipeline.engine.processes import track
 
     env = {**os.environ, **slot.env(), **child_env(layout.root), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "vpo.pipeline.cli", *argv], stdout=subprocess.PIPE,
@@ -84,7 +84,7 @@ def _start_child(label: str, argv: Sequence[str], slot: Slot, layout: RunLayout)
 
 def _failure(children: list[_Child], layout: RunLayout) -> BaseException:
     """One exception for the failed stage processes: a lock refusal, bad input, or a crash."""
-    from vpo.pipeline.locking import LOCK_NAME, LockBusyError
+    from vpo.pipeline.engine.locking import LOCK_NAME, LockBusyError
 
     first = children[0]
     rc = first.proc.returncode
@@ -105,7 +105,7 @@ def run_processes(jobs: Sequence[tuple[str, Sequence[str]]], ex: ExecutionPlan, 
     at most ``ex.max_parallel`` at once, each in a slot of its own (threads, GPUs) and allowed to work
     beside the caller, which holds the run folder's lock. ``on_done(label)`` follows each success. A
     failure lets the running ones finish, starts no new one, then raises one error for all."""
-    from vpo.pipeline.processes import kill_group, untrack
+    from vpo.pipeline.engine.processes import kill_group, untrack
 
     pending, free = list(jobs), ex.slots()
     running: list[_Child] = []

@@ -13,15 +13,15 @@ from typing import Any
 import numpy as np
 
 from vpo.pipeline.config import PipelineConfig
-from vpo.pipeline.errors import StageError
-from vpo.pipeline.layout import RunLayout
+from vpo.pipeline.engine.errors import StageError
+from vpo.pipeline.config.layout import RunLayout
 
 __all__ = ["load_rows", "read_json", "read_npy", "stage_command"]
 
 
 def stage_command(cfg: PipelineConfig, stage: str, rid: str | None = None) -> str:
     """The command that (re)builds a stage's output of this variant, for error messages."""
-    from vpo.pipeline.names import parse_run_id
+    from vpo.pipeline.config.names import parse_run_id
 
     cmd = f"vpo stage {stage} --pipeline {cfg.name}" + (" --quick" if cfg.quick else "")
     if rid is not None:

@@ -113,7 +113,7 @@ def read_holder(path: str | os.PathLike[str]) -> LockHolder | None:
 
 def _command() -> str:
     """This process's command line, secrets masked, at most 200 characters."""
-    from vpo.pipeline.storage import redact
+    from vpo.pipeline.engine.storage import redact
 
     argv = [Path(sys.argv[0]).name if sys.argv else "python", *sys.argv[1:]]
     text = redact(" ".join(argv))
@@ -305,7 +305,7 @@ def shared_cache_lock(folder: str | os.PathLike[str], what: str) -> Iterator[Non
     """Hold the lock of a cache folder several stages share (the runs folder's model cache): one
     process fills or reads it at a time; another one waits, saying so once (filling takes minutes,
     reading a moment)."""
-    from vpo.pipeline.console import log
+    from vpo.pipeline.engine.console import log
 
     folder = Path(folder)
     path = folder.parent / f".{folder.name}.lock"

@@ -22,7 +22,7 @@ from typing import Any
 
 import vpo
 from vpo.atomic import atomic_write_json
-from vpo.pipeline.layout import STATE_FILE
+from vpo.pipeline.config.layout import STATE_FILE
 
 __all__ = ["CODE_ROOT", "Fingerprint", "content_digest", "file_sha256", "read_state", "why_stale", "write_state"]
 

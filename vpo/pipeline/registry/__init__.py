@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from vpo.atomic import atomic_dir, atomic_write_text
-from vpo.pipeline.checkpoints import check_checkpoint, content_hash, hash_file, model_manifest
+from vpo.pipeline.engine.checkpoints import check_checkpoint, content_hash, hash_file, model_manifest
 from vpo.pipeline.registry import entries, versions
 from vpo.pipeline.registry.entries import DEFAULT_METRIC, Entry, RegistryError, RegistryInputError
 from vpo.pipeline.registry.store import Store, now
-from vpo.pipeline.storage import redact
+from vpo.pipeline.engine.storage import redact
 
 __all__ = ["DEFAULT_METRIC", "Entry", "Registry", "RegistryError", "RegistryInputError"]
 
@@ -88,7 +88,7 @@ class Registry:
         return found[0]
 
     def card(self, entry: Entry) -> str:
-        from vpo.pipeline.hub import model_card
+        from vpo.pipeline.registry.hub import model_card
 
         return self.store.card(entry) or model_card(entry)
 
@@ -99,7 +99,7 @@ class Registry:
         settings, metrics and lineage, and tag a GTO version when HEAD's ``dvc.lock`` records these very
         weights. The card goes into the folder and the registry. Returns the entry and, when it has no
         version, why. Registering the same weights again keeps ``created_at``."""
-        from vpo.pipeline.hub import model_card
+        from vpo.pipeline.registry.hub import model_card
 
         check_checkpoint(model_dir)
         digest, files, left_out, trained_at = model_manifest(model_dir)

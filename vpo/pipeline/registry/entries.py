@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from pathlib import PurePosixPath
 from typing import Any
 
-from vpo.pipeline.checkpoints import FileRecord, manifest_hash
+from vpo.pipeline.engine.checkpoints import FileRecord, manifest_hash
 
 __all__ = ["DEFAULT_METRIC", "Entry", "RegistryError", "RegistryInputError", "StorageUnavailableError", "artifact_name",
            "best", "latest", "metric_value", "select", "settings_that_differ"]

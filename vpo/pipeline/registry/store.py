@@ -24,7 +24,7 @@ from typing import Any
 
 from vpo.atomic import atomic_write_bytes
 from vpo.pipeline.registry.entries import HEX64, Entry, RegistryError, StorageUnavailableError, artifact_name
-from vpo.pipeline.storage import StorageError, get_filesystem, is_s3_url, redact, secret_values
+from vpo.pipeline.engine.storage import StorageError, get_filesystem, is_s3_url, redact, secret_values
 
 __all__ = ["Store", "now"]
 
@@ -165,7 +165,7 @@ class Store:
 
     def migrate(self) -> list[str]:
         """Move an older layout's entries and aliases (to stage records) into this one; one line each."""
-        from vpo.pipeline.hub import model_card
+        from vpo.pipeline.registry.hub import model_card
 
         done = []
         with self.guard("migrate it"):

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from vpo.atomic import atomic_dir, atomic_write_json
-from vpo.pipeline.console import log, progress
-from vpo.pipeline.context import StageContext
-from vpo.pipeline.errors import StageError
+from vpo.pipeline.engine.console import log, progress
+from vpo.pipeline.engine.context import StageContext
+from vpo.pipeline.engine.errors import StageError
 
 __all__ = ["check_tokenizer", "run"]
 
@@ -44,7 +44,7 @@ def _pretrained(ctx: StageContext, folder: Path) -> str:
 
         g = cfg.model.gguf
         path = cfg.resolve_path(g.path) if g.path else None
-        from vpo.pipeline.locking import shared_cache_lock
+        from vpo.pipeline.engine.locking import shared_cache_lock
 
         name = f"{Path(g.file or str(path)).stem}-{cfg.model.dtype}"
         with shared_cache_lock(ctx.layout.model_cache(name), f"the model cache {name}"):  # variants share it

@@ -23,14 +23,14 @@ import numpy as np
 
 from vpo.atomic import atomic_write_json, atomic_write_text
 from vpo.pipeline.config import PipelineConfig
-from vpo.pipeline.console import log, progress
-from vpo.pipeline.console import table as table_out
-from vpo.pipeline.context import StageContext
-from vpo.pipeline.errors import StageError
-from vpo.pipeline.execution import execution_plan, stage_threads, torch_threads
-from vpo.pipeline.inputs import load_rows, read_json, read_npy, stage_command
-from vpo.pipeline.layout import RunLayout, arm_runs
-from vpo.pipeline.state import read_state, why_stale, write_state
+from vpo.pipeline.engine.console import log, progress
+from vpo.pipeline.engine.console import table as table_out
+from vpo.pipeline.engine.context import StageContext
+from vpo.pipeline.engine.errors import StageError
+from vpo.pipeline.engine.execution import execution_plan, stage_threads, torch_threads
+from vpo.pipeline.engine.inputs import load_rows, read_json, read_npy, stage_command
+from vpo.pipeline.config.layout import RunLayout, arm_runs
+from vpo.pipeline.engine.state import read_state, why_stale, write_state
 
 __all__ = ["run", "search_shard", "search_table"]
 
@@ -139,7 +139,7 @@ def _shards_side_by_side(ctx: StageContext, arms: Sequence[str], bar: Any) -> bo
     """Search the arms as ``vpo stage search --arm A`` processes, as many at once as
     ``execution.max_parallel`` and the machine allow (each with a run's threads and GPUs); whether it
     did (one at a time, the caller searches them in this process, with the same threads)."""
-    from vpo.pipeline.fanout import run_processes
+    from vpo.pipeline.engine.fanout import run_processes
 
     ex = execution_plan(ctx.cfg, len(arms))
     if len(arms) < 2 or ex.max_parallel < 2:

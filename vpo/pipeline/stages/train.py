@@ -1,7 +1,7 @@
 """Stage ``train``: one arm run (estimator x seed) trained from the base model with :class:`VPOTrainer`.
 
-The settings reach :class:`VPOConfig` through the one mapping in :mod:`vpo.pipeline.settings`
-(:func:`~vpo.pipeline.settings.vpo_config_kwargs`). When it starts, the stage states the run's batch
+The settings reach :class:`VPOConfig` through the one mapping in :mod:`vpo.pipeline.config.settings`
+(:func:`~vpo.pipeline.config.settings.vpo_config_kwargs`). When it starts, the stage states the run's batch
 in TRL's terms (prompts and completions per optimizer step and per generation round, on the world
 size it will train on); the run record (``metrics.json``) holds the same numbers and the prompts the
 trainer actually generated. With ``trainer.lora`` TRL trains LoRA adapters (a peft config) and the
@@ -38,14 +38,14 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from vpo.atomic import atomic_dir, atomic_write_json
-from vpo.pipeline.checkpoints import check_model_dir, checkpoint_step, latest_checkpoint
-from vpo.pipeline.console import detail, format_numbers, log, progress
-from vpo.pipeline.context import StageContext
-from vpo.pipeline.errors import StageError
-from vpo.pipeline.inputs import load_rows, stage_command
-from vpo.pipeline.plan import check_plan
-from vpo.pipeline.settings import batch_plan, peft_config, vpo_config_kwargs
-from vpo.pipeline.state import read_state, why_stale, write_state
+from vpo.pipeline.engine.checkpoints import check_model_dir, checkpoint_step, latest_checkpoint
+from vpo.pipeline.engine.console import detail, format_numbers, log, progress
+from vpo.pipeline.engine.context import StageContext
+from vpo.pipeline.engine.errors import StageError
+from vpo.pipeline.engine.inputs import load_rows, stage_command
+from vpo.pipeline.memory import check_plan
+from vpo.pipeline.config.settings import batch_plan, peft_config, vpo_config_kwargs
+from vpo.pipeline.engine.state import read_state, why_stale, write_state
 from vpo.rewards import VectorReward
 
 __all__ = ["CHILD_ENV", "HEADLINE", "ConsoleProgressCallback", "HarmlessMissingKeysFilter", "ProgressFileCallback",
