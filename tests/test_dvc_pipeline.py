@@ -24,10 +24,10 @@ except ModuleNotFoundError:  # tests/ imported as a package
     from tests.flows_fixtures import DVC, REPO, FlowResult, make_repo, run, tool_env, tree_digest
 
 from vpo.pipeline.config import load_pipeline
-from vpo.pipeline.dvc.generate import dvc_yaml_text, params_yaml_text
-from vpo.pipeline.steps import plan
 from vpo.pipeline.config.layout import arm_runs
+from vpo.pipeline.dvc.generate import dvc_yaml_text, params_yaml_text
 from vpo.pipeline.engine.storage import configure_dvc_remote, scan_for_secrets
+from vpo.pipeline.steps import plan
 
 QUICK = "route-quick"
 

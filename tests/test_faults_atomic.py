@@ -232,9 +232,9 @@ def _perturb_arm(folder: Path) -> None:
 
 def run_stage(name: str, cfg: Any) -> dict[str, Any]:
     """The stage's own function (no skipping, no record), as the runner calls it."""
+    from vpo.pipeline.config.layout import ArmRun, RunLayout
     from vpo.pipeline.engine.context import StageContext
     from vpo.pipeline.steps import stage
-    from vpo.pipeline.config.layout import ArmRun, RunLayout
 
     run = ArmRun(cfg.arm("vpo"), 0) if name == "train" else None
     return stage(name).run(StageContext(cfg, RunLayout.of(cfg), name, run, progress=False))

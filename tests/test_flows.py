@@ -43,8 +43,8 @@ from flows import plan as fplan
 from flows import report, tasks
 from flows import retrain as rt
 from vpo.pipeline.engine.checkpoints import content_hash
-from vpo.pipeline.registry import Registry
 from vpo.pipeline.engine.storage import scan_for_secrets, secret_values
+from vpo.pipeline.registry import Registry
 
 QUICK_LABELS = {"data", "rewards", "base", "train@grpo-s0", "train@vpo-s0", "train@grpo_x3-s0", "train@max_at_k-s0",
                 "evaluate", "search"}

@@ -11,10 +11,10 @@ from typing import Any, ClassVar
 import pytest
 import yaml
 
-from vpo.pipeline.registry import hub
 from vpo.pipeline.config import ConfigError, load_pipeline
-from vpo.pipeline.engine.errors import StageError
 from vpo.pipeline.config.layout import RunLayout, arm_runs
+from vpo.pipeline.engine.errors import StageError
+from vpo.pipeline.registry import hub
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -23,8 +23,8 @@ import pytest
 from tests.test_faults_support import RUN_NAME, VPO, copy_prepared, prepared_run, vpo_env
 from vpo.pipeline.config import load_pipeline
 from vpo.pipeline.engine.execution import THREADS_ENV, Machine, execution_plan, stage_threads
-from vpo.pipeline.steps import plan
 from vpo.pipeline.runner import independent_groups
+from vpo.pipeline.steps import plan
 
 try:
     from proc_watch import Descendants
@@ -252,9 +252,9 @@ def test_a_failed_training_run_becomes_the_commands_one_error(tmp_path: Path) ->
     from collections import deque
     from types import SimpleNamespace
 
+    from vpo.pipeline.config.layout import RunLayout
     from vpo.pipeline.engine.errors import StageError
     from vpo.pipeline.engine.fanout import StageProcessFailed, _failure
-    from vpo.pipeline.config.layout import RunLayout
     from vpo.pipeline.engine.locking import LockBusyError
 
     layout = RunLayout(tmp_path / "runs" / RUN_NAME, RUN_NAME)
@@ -277,9 +277,9 @@ def test_a_failed_training_run_becomes_the_commands_one_error(tmp_path: Path) ->
 def test_a_failed_process_stops_the_queue_and_the_call_returns(tmp_path: Path) -> None:
     """One slot, three commands, the first fails: the other two never start and the call raises the
     first's failure instead of waiting for slots that will never be asked for."""
+    from vpo.pipeline.config.layout import RunLayout
     from vpo.pipeline.engine.execution import ExecutionPlan
     from vpo.pipeline.engine.fanout import StageProcessFailed, run_processes
-    from vpo.pipeline.config.layout import RunLayout
 
     layout = RunLayout(tmp_path / "runs" / RUN_NAME, RUN_NAME)
     layout.root.mkdir(parents=True)

@@ -19,10 +19,10 @@ from vpo.pipeline.engine.checkpoints import (
     content_hash,
     manifest_hash,
 )
+from vpo.pipeline.engine.storage import scan_for_secrets
 from vpo.pipeline.registry import Registry, RegistryInputError
 from vpo.pipeline.registry.cli import main
 from vpo.pipeline.registry.entries import StorageUnavailableError
-from vpo.pipeline.engine.storage import scan_for_secrets
 
 
 def make_checkpoint(root: Path, *, seed: int = 0, weights_size: int = 4096) -> Path:

@@ -106,9 +106,9 @@ def test_runner_skips_records_rebuilds_and_cleans(tmp_path: Path, capsys: pytest
     with the reason, when a setting it reads changed; a setting it does not read changes nothing; a
     temp folder left by a killed run is removed before the stage runs again."""
     from vpo.pipeline.config import load_pipeline
-    from vpo.pipeline.steps import plan
     from vpo.pipeline.config.layout import RunLayout
     from vpo.pipeline.runner import run_step, staleness
+    from vpo.pipeline.steps import plan
 
     data = yaml.safe_load((REPO / "pipelines.yaml").read_text())
     data["pipelines"] = {"route": data["pipelines"]["route"]}
@@ -152,10 +152,10 @@ def test_a_full_disk_is_one_clear_error(tmp_path: Path, error: BaseException) ->
     from dataclasses import replace
 
     from vpo.pipeline.config import load_pipeline
-    from vpo.pipeline.engine.errors import StageError
-    from vpo.pipeline.steps import Step, stage
     from vpo.pipeline.config.layout import arm_runs
+    from vpo.pipeline.engine.errors import StageError
     from vpo.pipeline.runner import run_step
+    from vpo.pipeline.steps import Step, stage
 
     data = yaml.safe_load((REPO / "pipelines.yaml").read_text())
     data["pipelines"] = {"route": data["pipelines"]["route"]}
@@ -183,8 +183,8 @@ def test_adding_a_seed_leaves_the_existing_runs_up_to_date(tmp_path: Path) -> No
     """A run's request is its arm's settings and its own seed: another seed in the arm's list does not
     make it stale, while a setting of that arm does."""
     from vpo.pipeline.config import load_pipeline
-    from vpo.pipeline.steps import plan
     from vpo.pipeline.runner import fingerprint
+    from vpo.pipeline.steps import plan
 
     def train_fp(**arm: object) -> dict:
         raw = yaml.safe_load((REPO / "pipelines.yaml").read_text(encoding="utf-8"))

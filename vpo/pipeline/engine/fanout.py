@@ -15,10 +15,10 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from vpo.pipeline.config.layout import RunLayout
 from vpo.pipeline.engine.console import relay
 from vpo.pipeline.engine.errors import EXIT_BAD_INPUT, EXIT_LOCKED, StageError
 from vpo.pipeline.engine.execution import ExecutionPlan, Slot
-from vpo.pipeline.config.layout import RunLayout
 
 __all__ = ["StageProcessFailed", "run_processes"]
 

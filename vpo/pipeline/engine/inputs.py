@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 
 from vpo.pipeline.config import PipelineConfig
-from vpo.pipeline.engine.errors import StageError
 from vpo.pipeline.config.layout import RunLayout
+from vpo.pipeline.engine.errors import StageError
 
 __all__ = ["load_rows", "read_json", "read_npy", "stage_command"]
 

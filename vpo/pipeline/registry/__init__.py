@@ -19,10 +19,10 @@ from typing import Any
 
 from vpo.atomic import atomic_dir, atomic_write_text
 from vpo.pipeline.engine.checkpoints import check_checkpoint, content_hash, hash_file, model_manifest
+from vpo.pipeline.engine.storage import redact
 from vpo.pipeline.registry import entries, versions
 from vpo.pipeline.registry.entries import DEFAULT_METRIC, Entry, RegistryError, RegistryInputError
 from vpo.pipeline.registry.store import Store, now
-from vpo.pipeline.engine.storage import redact
 
 __all__ = ["DEFAULT_METRIC", "Entry", "Registry", "RegistryError", "RegistryInputError"]
 

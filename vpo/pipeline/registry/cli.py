@@ -16,9 +16,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from vpo.pipeline.engine.storage import StorageError, configure_dvc_remote, redact
 from vpo.pipeline.registry import DEFAULT_METRIC, Entry, Registry, RegistryError, RegistryInputError
 from vpo.pipeline.registry.entries import best, latest, metric_value, select, settings_that_differ
-from vpo.pipeline.engine.storage import StorageError, configure_dvc_remote, redact
 
 __all__ = ["main"]
 

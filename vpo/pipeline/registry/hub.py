@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from vpo.pipeline.config.layout import ArmRun, RunLayout
 from vpo.pipeline.engine.console import log
 from vpo.pipeline.engine.errors import StageError
-from vpo.pipeline.config.layout import ArmRun, RunLayout
 
 __all__ = ["estimator_uses", "hub_repo_id", "hub_token", "model_card", "push_runs"]
 

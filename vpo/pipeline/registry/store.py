@@ -23,8 +23,8 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from vpo.atomic import atomic_write_bytes
-from vpo.pipeline.registry.entries import HEX64, Entry, RegistryError, StorageUnavailableError, artifact_name
 from vpo.pipeline.engine.storage import StorageError, get_filesystem, is_s3_url, redact, secret_values
+from vpo.pipeline.registry.entries import HEX64, Entry, RegistryError, StorageUnavailableError, artifact_name
 
 __all__ = ["Store", "now"]
 

@@ -20,13 +20,13 @@ from typing import Any
 import numpy as np
 
 from vpo.atomic import atomic_dir, atomic_write_bytes, atomic_write_json, atomic_write_text
-from vpo.pipeline.engine.checkpoints import check_model_dir
 from vpo.pipeline.config import PipelineConfig
+from vpo.pipeline.config.layout import RunLayout, arm_runs
+from vpo.pipeline.engine.checkpoints import check_model_dir
 from vpo.pipeline.engine.console import progress
 from vpo.pipeline.engine.console import table as table_out
 from vpo.pipeline.engine.context import StageContext
 from vpo.pipeline.engine.inputs import load_rows, stage_command
-from vpo.pipeline.config.layout import RunLayout, arm_runs
 
 __all__ = ["policies", "run"]
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 from typing import Any
 
 from vpo.atomic import atomic_write_json
+from vpo.pipeline.config.layout import RunLayout, arm_runs
 from vpo.pipeline.engine.checkpoints import check_model_dir
 from vpo.pipeline.engine.console import detail, log
 from vpo.pipeline.engine.context import StageContext
-from vpo.pipeline.registry.hub import push_runs
 from vpo.pipeline.engine.inputs import read_json, stage_command
-from vpo.pipeline.config.layout import RunLayout, arm_runs
 from vpo.pipeline.engine.storage import redact
+from vpo.pipeline.registry.hub import push_runs
 
 __all__ = ["run"]
 

@@ -23,13 +23,13 @@ import numpy as np
 
 from vpo.atomic import atomic_write_json, atomic_write_text
 from vpo.pipeline.config import PipelineConfig
+from vpo.pipeline.config.layout import RunLayout, arm_runs
 from vpo.pipeline.engine.console import log, progress
 from vpo.pipeline.engine.console import table as table_out
 from vpo.pipeline.engine.context import StageContext
 from vpo.pipeline.engine.errors import StageError
 from vpo.pipeline.engine.execution import execution_plan, stage_threads, torch_threads
 from vpo.pipeline.engine.inputs import load_rows, read_json, read_npy, stage_command
-from vpo.pipeline.config.layout import RunLayout, arm_runs
 from vpo.pipeline.engine.state import read_state, why_stale, write_state
 
 __all__ = ["run", "search_shard", "search_table"]
