@@ -225,7 +225,11 @@ def plan_for(shape: ModelShape, args: argparse.Namespace, m: int, device: str, d
         max_completion_length=args.completion_len * m, max_prompt_length=args.prompt_len,
         gradient_accumulation_steps=batch // micro, gradient_checkpointing=args.gradient_checkpointing,
         bf16=device == "cuda", param_dtype="bfloat16" if device == "cuda" else "float32",
-        optim="adamw_torch_fused" if device == "cuda" or args.engine_used == "trl" else "adamw_torch")
+        optim="adamw_torch_fused" if device == "cuda" or args.engine_used == "trl" else "adamw_torch",
+        # what the run's VPOConfig leaves at TRL's values: one generation round per step, no vLLM, no KL
+        generation_batch_size=None, steps_per_generation=None, num_iterations=1, fp16=False, use_vllm=False,
+        vllm_mode="colocate", vllm_gpu_memory_utilization=0.3, vllm_enable_sleep_mode=False, beta=0.0,
+        ds3_gather_for_generation=True, cast_lm_head_to_fp32=False)
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
         known = known_gpu(props.name, props.total_memory)

@@ -22,11 +22,12 @@ from typing import Any
 
 import yaml
 
-from vpo.pipeline.config import PipelineConfig, load_pipeline, settings_digest, variant_settings
+from vpo.pipeline.config import PipelineConfig, load_pipeline
+from vpo.pipeline.config.layout import RunLayout
+from vpo.pipeline.dvc.params import settings_digest, variant_settings
 from vpo.pipeline.dvc.record import declared_stages
 from vpo.pipeline.engine.execution import Slot, execution_plan
 from vpo.pipeline.steps import plan
-from vpo.pipeline.config.layout import RunLayout
 
 __all__ = ["Plan", "StageStep", "artifact_slug", "make_plan"]
 

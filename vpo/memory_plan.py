@@ -52,6 +52,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from vpo.trl_batch import Batch, trl_batch
+
 __all__ = [
     "DEVICES",
     "Device",
@@ -67,7 +69,6 @@ __all__ = [
     "device_by_name",
     "format_bytes",
     "format_plan",
-    "generation_layout",
     "known_gpu",
     "plan_step",
     "ram",
@@ -375,29 +376,30 @@ def device_by_name(name: str) -> Device:
 @dataclass(frozen=True)
 class TrainSettings:
     """The trainer settings a plan reads, under TRL's ``GRPOConfig`` names, plus the longest prompt
-    in tokens and the dtype the weights are loaded in. :meth:`from_trl` takes a mapping of GRPOConfig
-    keyword arguments (the defaults of the fields it lacks come from ``defaults``)."""
+    in tokens and the dtype the weights are loaded in. No defaults of its own: a plan is of the
+    settings it is given (:meth:`from_trl` takes them from a mapping, e.g. ``vars()`` of a built
+    config or a pipeline's resolved settings)."""
 
     per_device_train_batch_size: int
     num_generations: int
     max_completion_length: int
     max_prompt_length: int
-    gradient_accumulation_steps: int = 1
-    generation_batch_size: int | None = None
-    steps_per_generation: int | None = None
-    num_iterations: int = 1
-    gradient_checkpointing: bool = False
-    bf16: bool = False
-    fp16: bool = False
-    param_dtype: str = "float32"
-    use_vllm: bool = False
-    vllm_mode: str = "colocate"
-    vllm_gpu_memory_utilization: float = 0.3
-    vllm_enable_sleep_mode: bool = False
-    beta: float = 0.0
-    optim: str = "adamw_torch_fused"
-    ds3_gather_for_generation: bool = True
-    cast_lm_head_to_fp32: bool = False
+    gradient_accumulation_steps: int
+    generation_batch_size: int | None
+    steps_per_generation: int | None
+    num_iterations: int
+    gradient_checkpointing: bool
+    bf16: bool
+    fp16: bool
+    param_dtype: str
+    use_vllm: bool
+    vllm_mode: str
+    vllm_gpu_memory_utilization: float
+    vllm_enable_sleep_mode: bool
+    beta: float
+    optim: str
+    ds3_gather_for_generation: bool
+    cast_lm_head_to_fp32: bool
 
     FIELDS = ("per_device_train_batch_size", "num_generations", "max_completion_length", "gradient_accumulation_steps",
               "generation_batch_size", "steps_per_generation", "num_iterations", "gradient_checkpointing", "bf16",
@@ -405,21 +407,32 @@ class TrainSettings:
               "optim", "ds3_gather_for_generation", "cast_lm_head_to_fp32")
 
     @classmethod
-    def from_trl(cls, kwargs: Mapping[str, Any], *, max_prompt_length: int, param_dtype: str,
-                 defaults: Mapping[str, Any] | None = None) -> TrainSettings:
-        """From GRPOConfig keyword arguments (or ``vars()`` of a built config) over ``defaults``."""
-        merged = {**(defaults or {}), **kwargs}
-        missing = [k for k in ("per_device_train_batch_size", "num_generations", "max_completion_length")
-                   if merged.get(k) is None]
+    def from_trl(cls, kwargs: Mapping[str, Any], *, max_prompt_length: int, param_dtype: str) -> TrainSettings:
+        """From GRPOConfig keyword arguments (or ``vars()`` of a built config) holding every name in
+        :attr:`FIELDS` (a ValueError names the ones missing)."""
+        missing = [k for k in cls.FIELDS if k not in kwargs]
+        missing += [k for k in ("per_device_train_batch_size", "num_generations", "max_completion_length")
+                    if k in kwargs and kwargs[k] is None]
         if missing:
             raise ValueError(f"trainer settings lack {', '.join(missing)}")
-        values = {k: merged[k] for k in cls.FIELDS if k in merged and merged[k] is not None}
-        optim = values.get("optim")
-        if optim is not None and not isinstance(optim, str):  # an OptimizerNames enum
+        values = {k: kwargs[k] for k in cls.FIELDS}
+        values["bf16"], values["fp16"] = bool(values["bf16"]), bool(values["fp16"])  # TRL's None: not set
+        optim = values["optim"]
+        if not isinstance(optim, str):  # an OptimizerNames enum
             values["optim"] = str(getattr(optim, "value", optim))
         if param_dtype not in DTYPE_BYTES:
             raise ValueError(f"parameter dtype must be one of {', '.join(DTYPE_BYTES)}, got {param_dtype!r}")
         return cls(max_prompt_length=int(max_prompt_length), param_dtype=param_dtype, **values)
+
+    def batch(self, world_size: int) -> Batch:
+        """TRL's batch of these settings on ``world_size`` processes (:func:`vpo.trl_batch.trl_batch`).
+        A built GRPOConfig holds both round settings, consistently: its generation batch counts."""
+        return trl_batch(per_device_train_batch_size=self.per_device_train_batch_size,
+                         num_generations=self.num_generations, world_size=world_size,
+                         gradient_accumulation_steps=self.gradient_accumulation_steps,
+                         generation_batch_size=self.generation_batch_size,
+                         steps_per_generation=None if self.generation_batch_size is not None
+                         else self.steps_per_generation, num_iterations=self.num_iterations)
 
     @property
     def param_bytes(self) -> int:
@@ -433,24 +446,6 @@ class TrainSettings:
     @property
     def sequence_length(self) -> int:
         return self.max_prompt_length + self.max_completion_length
-
-
-def generation_layout(settings: TrainSettings, world_size: int) -> tuple[int, int]:
-    """TRL's batch rule: (generation_batch_size, steps_per_generation) for ``world_size`` processes
-    (neither set: one generation round per optimizer step)."""
-    s = settings
-    per_step = s.per_device_train_batch_size * world_size
-    if s.generation_batch_size is not None and s.steps_per_generation is not None:
-        if s.generation_batch_size != per_step * s.steps_per_generation:  # a built GRPOConfig sets both, consistently
-            raise ValueError("generation_batch_size and steps_per_generation cannot both be set")
-        return s.generation_batch_size, s.steps_per_generation
-    if s.generation_batch_size is not None:
-        if s.generation_batch_size % per_step:
-            raise ValueError(f"generation_batch_size ({s.generation_batch_size}) must be a multiple of "
-                             f"per_device_train_batch_size x processes ({per_step})")
-        return s.generation_batch_size, s.generation_batch_size // per_step
-    steps = s.steps_per_generation or s.gradient_accumulation_steps
-    return per_step * steps, steps
 
 
 # --------------------------------------------------------------------------------------------- plan
@@ -546,10 +541,8 @@ def plan_step(model: ModelShape, settings: TrainSettings, *, parallel: Parallel 
     p = parallel or Parallel()
     s = settings
     world = p.world_size
-    gen_batch, steps_per_gen = generation_layout(s, world)
-    if gen_batch % s.num_generations:
-        raise ValueError(f"the generation batch ({gen_batch} = per_device_train_batch_size x processes x "
-                         f"steps_per_generation) must be a multiple of num_generations ({s.num_generations})")
+    batch = s.batch(world)
+    gen_batch, steps_per_gen = batch.completions_per_round, batch.steps_per_generation
     notes: list[str] = []
     pb, cb = s.param_bytes, s.compute_bytes
     n_all = model.parameters

@@ -92,7 +92,8 @@ def load_config(args: argparse.Namespace) -> Any:
 def _load(args: argparse.Namespace) -> Any:
     from pathlib import Path
 
-    from vpo.pipeline.config import PARAMS_FILE, ConfigError, load_pipeline, load_variant
+    from vpo.pipeline.config import ConfigError, load_pipeline
+    from vpo.pipeline.dvc.params import PARAMS_FILE, load_variant
 
     overrides = parse_overrides(args.set)
     try:
@@ -218,11 +219,11 @@ def _closing_line() -> None:
 
 
 def _stage(args: argparse.Namespace, cfg: Any) -> int:
-    from vpo.pipeline.steps import plan
     from vpo.pipeline.config.layout import RunLayout
     from vpo.pipeline.engine.locking import pipeline_lock
     from vpo.pipeline.runner import run_step
     from vpo.pipeline.stages.train import CHILD_ENV
+    from vpo.pipeline.steps import plan
 
     steps = plan(cfg, [args.name])
     if args.name == "search" and args.arm is not None and args.seed is None:
@@ -258,9 +259,9 @@ def _search_shard(cfg: Any, arm: str) -> int:
     (``vpo stage search`` starts these itself when arms can search at once, then puts them together)."""
     import time
 
+    from vpo.pipeline.config.layout import RunLayout
     from vpo.pipeline.engine.console import stage_done
     from vpo.pipeline.engine.context import StageContext
-    from vpo.pipeline.config.layout import RunLayout
     from vpo.pipeline.engine.locking import pipeline_lock
     from vpo.pipeline.stages.search import search_shard
 
@@ -353,9 +354,9 @@ def _job(args: argparse.Namespace, cfg: Any) -> int:
     """``vpo run`` / ``vpo stage``: exit 0 done, 2 bad input, 3 locked (one ``error:`` line each)."""
     from vpo.pipeline.engine.errors import EXIT_BAD_INPUT, EXIT_LOCKED, StageError
     from vpo.pipeline.engine.locking import LockBusyError
+    from vpo.pipeline.engine.storage import redact
     from vpo.pipeline.registry.entries import RegistryError, StorageUnavailableError
     from vpo.pipeline.runner import StageProcessFailed
-    from vpo.pipeline.engine.storage import redact
     from vpo.pipeline.validation import ValidationError
     from vpo.rewards import RewardError
 

@@ -3,8 +3,8 @@
 Inputs, each read from the one place that owns it: the model's ``config.json`` (the built base model
 when it exists, else the model folder, the Hugging Face cache, or a config shipped in
 ``vpo/data/model_configs`` for a hub id or GGUF file, so planning needs no download), the
-:class:`~vpo.trainer.VPOConfig` keyword arguments the train stage builds (TRL's names; TRL's
-defaults for the rest), ``trainer.lora``, the accelerate config file (ZeRO stage, FSDP, processes)
+:class:`~vpo.trainer.VPOConfig` keyword arguments the train stage builds (TRL's names: every
+setting as the pipeline resolved it), ``trainer.lora``, the accelerate config file (ZeRO stage, FSDP, processes)
 and the device (CUDA memory, else the RAM available).
 
 ``vpo plan`` prints the plan of every enabled arm (:func:`main`); the train stage calls
@@ -40,11 +40,14 @@ from vpo.memory_plan import (
     ram,
 )
 from vpo.pipeline.config import PipelineConfig
-from vpo.pipeline.engine.errors import StageError
 from vpo.pipeline.config.layout import ArmRun, RunLayout
+from vpo.pipeline.config.settings import vpo_config_kwargs
+from vpo.pipeline.engine.console import detail, log
+from vpo.pipeline.engine.context import build_task
+from vpo.pipeline.engine.errors import StageError
 
 __all__ = ["MODEL_CONFIGS", "PLAN_ENV", "arm_plan", "check_plan", "local_device", "model_shape", "parallel_of",
-           "shipped_config", "trl_defaults"]
+           "shipped_config"]
 
 MODEL_CONFIGS = Path(__file__).resolve().parents[1] / "data" / "model_configs"
 """``config.json`` files of the models the presets name, so a plan needs no download."""
@@ -91,7 +94,6 @@ def model_shape(cfg: PipelineConfig, layout: RunLayout | None = None) -> tuple[M
     if base_config.is_file():
         config, source = _read_config(base_config), f"the base model ({layout.base})"
     elif m.builder == "tiny":
-        from vpo.pipeline.engine.context import build_task
         from vpo.tiny import DEFAULT_SIZE, SPECIAL_TOKENS
 
         charset = build_task(cfg).charset
@@ -127,22 +129,6 @@ def model_shape(cfg: PipelineConfig, layout: RunLayout | None = None) -> tuple[M
 
 
 # ----------------------------------------------------------------------------------------- settings
-
-
-def trl_defaults() -> dict[str, Any]:
-    """Every VPOConfig field's default (TRL's GRPOConfig plus ours): what a setting the pipeline does
-    not pass becomes."""
-    import dataclasses
-
-    from vpo.trainer import VPOConfig
-
-    out = {}
-    for f in dataclasses.fields(VPOConfig):
-        if f.default is not dataclasses.MISSING:
-            out[f.name] = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            out[f.name] = f.default_factory()
-    return out
 
 
 def _lora(cfg: PipelineConfig) -> LoraShape | None:
@@ -243,18 +229,15 @@ def _prompt_tokens(cfg: PipelineConfig) -> int:
 
 def arm_plan(cfg: PipelineConfig, run: ArmRun, *, device: Device, parallel: Parallel | None = None,
              kwargs: Mapping[str, Any] | None = None, layout: RunLayout | None = None,
-             shape: tuple[ModelShape, str, str] | None = None, defaults: Mapping[str, Any] | None = None) -> Plan:
+             shape: tuple[ModelShape, str, str] | None = None) -> Plan:
     """The plan of one arm run. ``kwargs``: the VPOConfig arguments (default: what the train stage
     would build; a built config's ``vars()`` also works)."""
-    from vpo.pipeline.config.settings import vpo_config_kwargs
-
     layout = layout or RunLayout.of(cfg)
     model, dtype, _ = shape or model_shape(cfg, layout)
     par = parallel or parallel_of(cfg)
     if kwargs is None:
         kwargs = vpo_config_kwargs(cfg, run, layout.arm_trainer(run.rid), cuda=device.is_cuda, progress=False)
-    settings = TrainSettings.from_trl(kwargs, max_prompt_length=_prompt_tokens(cfg), param_dtype=dtype,
-                                      defaults=trl_defaults() if defaults is None else defaults)
+    settings = TrainSettings.from_trl(kwargs, max_prompt_length=_prompt_tokens(cfg), param_dtype=dtype)
     try:
         return plan_step(model, settings, parallel=par, device=device, lora=_lora(cfg))
     except ValueError as exc:
@@ -265,14 +248,12 @@ def check_plan(ctx: Any, args: Any) -> Plan:
     """The train stage's check before it loads the model: the plan of this arm run with the built
     VPOConfig ``args`` on this process's device. Raises :class:`StageError` naming the setting to
     change when it does not fit (``VPO_MEMORY_PLAN=warn``: log it and go on)."""
-    from vpo.pipeline.engine.console import detail, log
-
     cfg, run = ctx.cfg, ctx.arm_run
     values = {k: getattr(args, k) for k in TrainSettings.FIELDS if hasattr(args, k)}
     world = int(getattr(args, "world_size", 1) or 1)
     par = parallel_of(cfg, processes=world if cfg.trainer.accelerate_config else None)
     device = local_device()
-    plan = arm_plan(cfg, run, device=device, parallel=par, kwargs=values, layout=ctx.layout, defaults={})
+    plan = arm_plan(cfg, run, device=device, parallel=par, kwargs=values, layout=ctx.layout)
     main_process = int(os.environ.get("RANK", "0")) == 0
     if main_process:
         detail(format_plan(plan, label=f"train@{run.rid}"))
@@ -300,14 +281,13 @@ def plan_pipeline(cfg: PipelineConfig, *, device: Device, processes: int | None 
     layout = RunLayout.of(cfg)
     shape = shape or model_shape(cfg, layout)
     par = parallel_of(cfg, processes)
-    defaults = trl_defaults()
     out = []
     for a in cfg.enabled_arms:
         if arm is not None and a.name != arm:
             continue
         run = ArmRun(a, a.seeds[0])
         out.append((f"{cfg.name}/{a.name}", arm_plan(cfg, run, device=device, parallel=par, layout=layout,
-                                                     shape=shape, defaults=defaults)))
+                                                     shape=shape)))
     if arm is not None and not out:
         raise StageError(f"pipeline {cfg.name!r} has no enabled arm {arm!r}; arms: "
                          f"{', '.join(a.name for a in cfg.enabled_arms)}")

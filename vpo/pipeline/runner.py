@@ -22,15 +22,27 @@ from typing import Any
 
 from vpo.atomic import remove_stale_temps, remove_temps_in
 from vpo.pipeline.config import RUN_INDEPENDENT_ARM_KEYS, PipelineConfig
+from vpo.pipeline.config.layout import RunLayout, arm_runs
 from vpo.pipeline.engine.console import log, stage_done, stage_started
 from vpo.pipeline.engine.context import StageContext
 from vpo.pipeline.engine.errors import StageError
-from vpo.pipeline.engine.execution import ExecutionPlan, execution_plan, stage_threads, torch_threads
+from vpo.pipeline.engine.execution import (
+    ExecutionPlan,
+    check_hardware,
+    execution_plan,
+    stage_threads,
+    torch_threads,
+)
 from vpo.pipeline.engine.fanout import StageProcessFailed, run_processes
+from vpo.pipeline.engine.state import (
+    Fingerprint,
+    code_hashes,
+    content_digest,
+    read_state,
+    why_stale,
+    write_state,
+)
 from vpo.pipeline.steps import Step, plan, stage
-from vpo.pipeline.config.layout import RunLayout, arm_runs
-from vpo.pipeline.config.settings import check_hardware
-from vpo.pipeline.engine.state import Fingerprint, code_hashes, content_digest, read_state, why_stale, write_state
 
 __all__ = ["StageProcessFailed", "fingerprint", "independent_groups", "run_all", "run_side_by_side", "run_step",
            "staleness"]

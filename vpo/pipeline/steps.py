@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from vpo.pipeline.config import PipelineConfig
-from vpo.pipeline.engine.context import StageContext
 from vpo.pipeline.config.layout import ArmRun, arm_runs
+from vpo.pipeline.engine.context import StageContext
 from vpo.pipeline.stages import base, data, evaluate, register, rewards, search, train
 
 __all__ = ["STAGES", "Stage", "Step", "plan", "stage"]
@@ -63,7 +63,8 @@ STAGES: tuple[Stage, ...] = (
           volatile=("summary.json", "sft_metrics.json")),
     Stage("train", "train one arm run (estimator x seed) from the base; resumes from checkpoints",
           train.run, inputs=("data", "rewards", "base"), params=("task", "trainer", "arm"),
-          code=("vpo/pipeline/config/settings.py", "vpo/pipeline/engine/checkpoints.py", "vpo/trainer.py", *_ADVANTAGES,
+          code=("vpo/pipeline/config/settings.py", "vpo/pipeline/config/fields.py", "vpo/trainer_fields.py",
+                "vpo/pipeline/engine/checkpoints.py", "vpo/trainer.py", *_ADVANTAGES,
                 "vpo/metrics.py"),
           per_run=True, volatile=("progress.json", "live", "tensorboard", "metrics.json", "history.json"), scratch=("trainer",)),
     Stage("evaluate", "best@k, pass@k, E_w[best@k], diversity of the base and every arm run",

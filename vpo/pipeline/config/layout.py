@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 from vpo.pipeline.config.names import run_id
 
 if TYPE_CHECKING:
-    from vpo.pipeline.config import ArmConfig, PipelineConfig
+    from vpo.pipeline.config.schema import ArmConfig, PipelineConfig
 
 __all__ = ["STATE_FILE", "ArmRun", "RunLayout", "arm_runs"]
 

@@ -35,19 +35,11 @@ from typing import Any
 
 import yaml
 
-from vpo.pipeline.config import (
-    DEFAULT_PATH,
-    PARAMS_FILE,
-    PipelineConfig,
-    load_pipeline,
-    load_yaml,
-    read_text,
-    settings_digest,
-    variant_settings,
-)
-from vpo.pipeline.steps import Step, plan
+from vpo.pipeline.config import DEFAULT_PATH, PipelineConfig, load_pipeline, load_yaml, read_text
 from vpo.pipeline.config.layout import RunLayout, arm_runs
+from vpo.pipeline.dvc.params import PARAMS_FILE, settings_digest, variant_settings
 from vpo.pipeline.engine.state import CODE_ROOT
+from vpo.pipeline.steps import Step, plan
 
 __all__ = ["DEFAULT_VARIANTS", "LAUNCHER", "declared_variants", "dvc_yaml_text", "generate", "main",
            "params_yaml_text", "variants"]
@@ -173,8 +165,8 @@ def _artifacts(cfg: PipelineConfig, layout: RunLayout) -> dict[str, Any]:
     """One DVC model artifact per arm run: its final model folder (``dvc artifacts get . NAME``; GTO
     versions and stages name it too). ``meta`` says where the run's metrics, lineage and git revision
     are recorded: values that change with every run would make this generated file stale."""
-    from vpo.pipeline.steps import stage
     from vpo.pipeline.registry.entries import artifact_name
+    from vpo.pipeline.steps import stage
 
     train = stage("train")
     out = {}

@@ -59,7 +59,7 @@ def _normal(data: object) -> object:
 
 def unmanaged_reason(cfg: PipelineConfig, names: Sequence[str]) -> str | None:
     """Why DVC does not manage these stages of ``cfg`` (None: it does; record them)."""
-    from vpo.pipeline.config import PARAMS_FILE, variant_settings
+    from vpo.pipeline.dvc.params import PARAMS_FILE, variant_settings
 
     repo = cfg.base_dir
     if cfg.source_file is None:

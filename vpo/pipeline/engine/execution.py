@@ -23,6 +23,7 @@ stage process reads its thread count from :data:`THREADS_ENV` when its parent se
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
 import os
 from collections.abc import Iterator
@@ -30,10 +31,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from vpo.pipeline.config.layout import arm_runs
+from vpo.pipeline.config.settings import accelerate_processes, arm_batch
+from vpo.pipeline.engine.errors import StageError
+
 if TYPE_CHECKING:
     from vpo.pipeline.config import PipelineConfig
 
-__all__ = ["THREADS_ENV", "ExecutionPlan", "Machine", "Slot", "execution_plan", "stage_threads", "torch_threads"]
+__all__ = ["THREADS_ENV", "ExecutionPlan", "Machine", "Slot", "check_hardware", "execution_plan", "stage_threads",
+           "torch_threads"]
 
 THREADS_ENV = "VPO_STAGE_THREADS"
 """Set by a parent that runs stages concurrently: the torch threads of the stage process it starts."""
@@ -109,25 +115,11 @@ class ExecutionPlan:
         return out
 
 
-def _accelerate_processes(cfg: PipelineConfig) -> int | None:
-    """``num_processes`` of the run's accelerate config (None: no config, or it does not say)."""
-    if not cfg.trainer.accelerate_config:
-        return None
-    import yaml
-
-    try:
-        data = yaml.safe_load(Path(cfg.resolve_path(cfg.trainer.accelerate_config)).read_text(encoding="utf-8"))
-        value = int((data or {}).get("num_processes") or 0)
-    except (OSError, ValueError, TypeError, AttributeError, yaml.YAMLError):
-        return None
-    return value or None
-
-
 def stage_devices(cfg: PipelineConfig, machine: Machine) -> int:
     """GPUs one training run uses: its accelerate processes, else 1 with a GPU, else 0."""
     if not machine.gpus:
         return 0
-    return max(1, _accelerate_processes(cfg) or 1)
+    return max(1, accelerate_processes(cfg) or 1)
 
 
 def _env_threads(name: str) -> int | None:
@@ -157,8 +149,6 @@ def stage_threads(cfg: PipelineConfig, n_stages: int | None = None, machine: Mac
     from_env = _env_threads("OMP_NUM_THREADS")
     if from_env is not None:
         return from_env
-    from vpo.pipeline.config.layout import arm_runs
-
     machine = machine or Machine.detect()
     n = n_stages if n_stages is not None else len(arm_runs(cfg))
     return max(1, machine.cores // _fit(max(1, n), machine, stage_devices(cfg, machine)))
@@ -166,8 +156,6 @@ def stage_threads(cfg: PipelineConfig, n_stages: int | None = None, machine: Mac
 
 def execution_plan(cfg: PipelineConfig, n_stages: int, machine: Machine | None = None) -> ExecutionPlan:
     """How ``n_stages`` independent training runs of ``cfg`` run on ``machine`` (default: this one)."""
-    from vpo.pipeline.config.layout import arm_runs
-
     machine = machine or Machine.detect()
     devices = stage_devices(cfg, machine)
     threads = stage_threads(cfg, len(arm_runs(cfg)), machine)
@@ -202,3 +190,43 @@ def torch_threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def check_hardware(cfg: PipelineConfig, *, cuda: bool | None = None) -> None:
+    """Fail with one :class:`StageError` naming the setting when this machine cannot honour it (a GPU
+    setting on a CPU machine, a missing optional package or file, a batch TRL cannot split on the
+    world size)."""
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    where = f"pipeline {cfg.name!r}"
+    runs = [("trainer", cfg.trainer), *((f"arms.{a.name}", a) for a in cfg.enabled_arms)]
+    for key, section in runs:
+        if section.use_vllm and importlib.util.find_spec("vllm") is None:
+            raise StageError(f"{where}: {key}.use_vllm is true but vLLM is not installed (pip install 'vpo[vllm]', "
+                             f"GPU machines only); set {key}.use_vllm: false to generate with transformers")
+        if section.use_vllm and not cuda:
+            raise StageError(f"{where}: {key}.use_vllm is true but no CUDA GPU is visible; vLLM generation needs "
+                             f"one (set {key}.use_vllm: false on CPU machines)")
+        for flag in ("bf16", "fp16"):
+            if getattr(section, flag) and not cuda:
+                raise StageError(f"{where}: {key}.{flag} is true but no CUDA GPU is visible; CPU training runs in "
+                                 f"float32 (set {key}.{flag}: false)")
+    tr = cfg.trainer
+    if cfg.evaluation.use_vllm and importlib.util.find_spec("vllm") is None:
+        raise StageError(f"{where}: evaluation.use_vllm is true but vLLM is not installed (pip install "
+                         "'vpo[vllm]', GPU machines only); set evaluation.use_vllm: false to sample with transformers")
+    if cfg.evaluation.use_vllm and not cuda:
+        raise StageError(f"{where}: evaluation.use_vllm is true but no CUDA GPU is visible (set it to false on CPU)")
+    if tr.accelerate_config and importlib.util.find_spec("accelerate") is None:
+        raise StageError(f"{where}: trainer.accelerate_config is set but accelerate is not installed")
+    if tr.accelerate_config and not Path(cfg.resolve_path(tr.accelerate_config)).is_file():
+        raise StageError(f"{where}: trainer.accelerate_config {tr.accelerate_config!r} does not exist")
+    if tr.lora is not None and importlib.util.find_spec("peft") is None:
+        raise StageError(f"{where}: trainer.lora is set but peft is not installed (pip install 'vpo[chat]')")
+    for arm in cfg.enabled_arms:
+        try:
+            arm_batch(cfg, arm)
+        except ValueError as exc:
+            raise StageError(f"{where}: {exc}") from None
