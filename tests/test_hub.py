@@ -135,7 +135,7 @@ def test_card_reads_back_with_base_model_eval_results_and_the_estimators_own_set
     results = {(r.metric_type, r.metric_name): r.metric_value for r in card.data.eval_results}
     assert results[("best_at_k", "best@4")] == 0.75 and results[("pass_at_k", "pass@1")] == 0.25
     assert card.data.to_dict()["vpo"]["content_hash"] == vpo_entry.hash
-    assert "| K (weightings per prompt group) | 8 |" in card.text and "| m (answers per rollout) | 3 |" in card.text
+    assert "| K (weightings per prompt group) | 8 |" in card.text and "| num_answers (answers per rollout) | 3 |" in card.text
     max_card = ModelCard.load(_entry(tmp_path, "max_at_k", "max_at_k")[1] / "README.md")
     assert "max_at_k" in max_card.data.tags
     assert "K (weightings" not in max_card.text and "| k of max@k | 2 (default) |" in max_card.text

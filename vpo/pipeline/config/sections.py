@@ -169,7 +169,7 @@ class LoraConfig(Strict):
 
 class ParseCheckConfig(Strict):
     """The warm-up's before/after check: sample held-out prompts and count how many completions parse
-    into the answer format (m = 1 and the arms' m)."""
+    into the answer format (one answer, and each arm's num_answers)."""
 
     rows: int = Field(default=0, ge=0, description="held-out prompts sampled (0: no check)")
     samples: PositiveInt = Field(default=4, description="completions per prompt and format")

@@ -173,7 +173,7 @@ def _artifacts(cfg: PipelineConfig, layout: RunLayout) -> dict[str, Any]:
     for r in arm_runs(cfg):
         out[artifact_name(cfg.variant, r.rid)] = {
             "path": layout.arm_model(r.rid).as_posix(), "type": "model",
-            "desc": f"{cfg.variant}: the {r.arm.name} arm ({r.arm.estimator} advantages, m = {r.arm.num_answers}), "
+            "desc": f"{cfg.variant}: the {r.arm.name} arm ({r.arm.estimator} advantages, num_answers {r.arm.num_answers}), "
                     f"seed {r.seed}: final model of `dvc repro {Step(train, r).dvc_name(cfg.variant)}`",
             "labels": list(dict.fromkeys([cfg.name, r.arm.name, r.arm.estimator])),
             "meta": {"metrics": {"file": layout.eval_metrics.as_posix(), "key": f"runs.{r.rid}",

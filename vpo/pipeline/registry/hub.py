@@ -60,7 +60,7 @@ def _settings(entry: Any) -> list[tuple[str, Any]]:
     trainer = params.get("trainer") or {}
     g = arm.get("num_generations", trainer.get("num_generations"))  # an arm lists only what it sets itself
     rows: list[tuple[str, Any]] = [("task", lin.get("task")), ("estimator", est or None),
-                                   ("m (answers per rollout)", lin.get("num_answers", arm.get("num_answers"))),
+                                   ("num_answers (answers per rollout)", lin.get("num_answers", arm.get("num_answers"))),
                                    ("G (rollouts per prompt)", g and g * int(arm.get("rollout_multiplier") or 1))]
     for key, label, value in (
             ("num_weights", "K (weightings per prompt group)", trainer.get("num_weights")),

@@ -64,9 +64,9 @@ def _pretrained(ctx: StageContext, folder: Path) -> str:
 
 
 def _parse_line(sft: dict[str, Any]) -> str:
-    """``m=1 0.00 -> 0.95, m=3 0.00 -> 0.80`` from the warm-up's before/after parse check."""
+    """``num_answers=1 0.00 -> 0.95, num_answers=3 0.00 -> 0.80`` from the warm-up's before/after parse check."""
     before, after = sft.get("parse_before") or {}, sft.get("parse_after") or {}
-    return ", ".join(f"m={m} {before.get(m, {}).get('parse_rate', float('nan')):.2f} -> "
+    return ", ".join(f"num_answers={m} {before.get(m, {}).get('parse_rate', float('nan')):.2f} -> "
                      f"{after[m]['parse_rate']:.2f}" for m in sorted(after, key=int))
 
 
@@ -114,7 +114,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     after = sft_info.get("parse_after") or {}
     low = {m: r["parse_rate"] for m, r in after.items() if r["parse_rate"] < cfg.trainer.min_parse_rate}
     if low:
-        log(f"base: warning: after the warm-up the parse rate is {', '.join(f'{v:.0%} at m={m}' for m, v in low.items())}"
+        log(f"base: warning: after the warm-up the parse rate is {', '.join(f'{v:.0%} at num_answers={m}' for m, v in low.items())}"
             f" (below trainer.min_parse_rate {cfg.trainer.min_parse_rate:.0%}): unparsed rollouts score zero, so RL "
             "learns little; raise sft.steps or sft.lr")
     return {k: v for k, v in info.items() if k != "sft"} | {"parse_after": sft_info.get("parse_after")}
