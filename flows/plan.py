@@ -1,6 +1,6 @@
 """What a retrain flow run will do, resolved from the config and the stage table before any work.
 
-The steps are :func:`vpo.pipeline.steps.plan`'s (the stages ``dvc.yaml`` declares, in order), in
+The steps are :func:`vpo.pipeline.steps.steps_of`'s (the stages ``dvc.yaml`` declares, in order), in
 groups (:meth:`Plan.groups`): the arm x seed training runs form one group that runs side by side
 (at most :attr:`Plan.max_parallel` at once, each in a slot of its own threads and GPUs, see
 :mod:`vpo.pipeline.engine.execution`); every other stage is a group of its own. When DVC manages the
@@ -26,8 +26,8 @@ from vpo.pipeline.config import PipelineConfig, load_pipeline
 from vpo.pipeline.config.layout import RunLayout
 from vpo.pipeline.dvc.params import settings_digest, variant_settings
 from vpo.pipeline.dvc.record import declared_stages
-from vpo.pipeline.engine.execution import Slot, execution_plan
-from vpo.pipeline.steps import plan
+from vpo.pipeline.engine.execution import Slot, concurrency
+from vpo.pipeline.steps import steps_of
 
 __all__ = ["Plan", "StageStep", "artifact_slug", "make_plan"]
 
@@ -116,7 +116,7 @@ def make_plan(pipeline: str = "route", quick: bool = False, config: str | os.Pat
     repo = config_path.parent
     layout = RunLayout.of(cfg)
     steps = []
-    for step in plan(cfg):
+    for step in steps_of(cfg):
         if not step.stage.in_dvc:
             continue
         argv = ["stage", step.stage.name, *cfg.cli_args()]
@@ -147,7 +147,7 @@ def make_plan(pipeline: str = "route", quick: bool = False, config: str | os.Pat
             use_dvc, note = True, "DVC stages (`dvc repro --single-item`): DVC's lock decides what re-runs"
     remote = cfg.resolve_url(cfg.storage.dvc_remote) if cfg.storage.dvc_remote else None
     n_runs = sum(1 for s in steps if s.per_run)
-    ex = execution_plan(cfg, max(1, n_runs))
+    ex = concurrency(cfg, max(1, n_runs))
     return Plan(
         pipeline=cfg.name,
         quick=cfg.quick,

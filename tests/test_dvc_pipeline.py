@@ -27,7 +27,7 @@ from vpo.pipeline.config import load_pipeline
 from vpo.pipeline.config.layout import arm_runs
 from vpo.pipeline.dvc.generate import dvc_yaml_text, params_yaml_text
 from vpo.pipeline.engine.storage import configure_dvc_remote, scan_for_secrets
-from vpo.pipeline.steps import plan
+from vpo.pipeline.steps import steps_of
 
 QUICK = "route-quick"
 
@@ -40,7 +40,7 @@ def _declared_stages(dvc_yaml: dict[str, Any]) -> set[str]:
 
 
 def _stage_names(cfg: Any) -> list[str]:
-    return [step.dvc_name(cfg.variant) for step in plan(cfg) if step.stage.in_dvc]
+    return [step.dvc_name(cfg.variant) for step in steps_of(cfg) if step.stage.in_dvc]
 
 
 def _quick_stage_names() -> list[str]:

@@ -60,9 +60,9 @@ class Work:
 def _run(cfg: Any, stage: str, rid: str | None = None) -> dict[str, Any]:
     """Run one step of ``cfg``'s plan in this process (as `vpo stage --force` does, without the lock)."""
     from vpo.pipeline.runner import run_step
-    from vpo.pipeline.steps import plan
+    from vpo.pipeline.steps import steps_of
 
-    step = next(s for s in plan(cfg, [stage]) if rid is None or s.rid == rid)
+    step = next(s for s in steps_of(cfg, [stage]) if rid is None or s.rid == rid)
     with torch_threads(1):
         return run_step(cfg, step, progress=False, force=True)
 

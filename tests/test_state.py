@@ -108,7 +108,7 @@ def test_runner_skips_records_rebuilds_and_cleans(tmp_path: Path, capsys: pytest
     from vpo.pipeline.config import load_pipeline
     from vpo.pipeline.config.layout import RunLayout
     from vpo.pipeline.runner import run_step, staleness
-    from vpo.pipeline.steps import plan
+    from vpo.pipeline.steps import steps_of
 
     data = yaml.safe_load((REPO / "pipelines.yaml").read_text())
     data["pipelines"] = {"route": data["pipelines"]["route"]}
@@ -117,7 +117,7 @@ def test_runner_skips_records_rebuilds_and_cleans(tmp_path: Path, capsys: pytest
 
     def step_of(**overrides: object) -> tuple[object, object]:
         cfg = load_pipeline("route", config, quick=True, overrides=overrides or None)
-        return cfg, plan(cfg, ["data"])[0]
+        return cfg, steps_of(cfg, ["data"])[0]
 
     cfg, step = step_of()
     layout = RunLayout.of(cfg)
@@ -184,7 +184,7 @@ def test_adding_a_seed_leaves_the_existing_runs_up_to_date(tmp_path: Path) -> No
     make it stale, while a setting of that arm does."""
     from vpo.pipeline.config import load_pipeline
     from vpo.pipeline.runner import fingerprint
-    from vpo.pipeline.steps import plan
+    from vpo.pipeline.steps import steps_of
 
     def train_fp(**arm: object) -> dict:
         raw = yaml.safe_load((REPO / "pipelines.yaml").read_text(encoding="utf-8"))
@@ -193,7 +193,7 @@ def test_adding_a_seed_leaves_the_existing_runs_up_to_date(tmp_path: Path) -> No
         path = tmp_path / "pipelines.yaml"
         path.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
         cfg = load_pipeline("route", path)
-        step = next(s for s in plan(cfg) if s.label == "train@vpo-s0")
+        step = next(s for s in steps_of(cfg) if s.label == "train@vpo-s0")
         return fingerprint(cfg, step).params
 
     one = train_fp(seeds=[0])

@@ -223,9 +223,9 @@ def _stage(args: argparse.Namespace, cfg: Any) -> int:
     from vpo.pipeline.engine.locking import pipeline_lock
     from vpo.pipeline.runner import run_step
     from vpo.pipeline.stages.train import CHILD_ENV
-    from vpo.pipeline.steps import plan
+    from vpo.pipeline.steps import steps_of
 
-    steps = plan(cfg, [args.name])
+    steps = steps_of(cfg, [args.name])
     if args.name == "search" and args.arm is not None and args.seed is None:
         return _search_shard(cfg, args.arm)
     if args.arm is not None or args.seed is not None:

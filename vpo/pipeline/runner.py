@@ -3,7 +3,7 @@
 :func:`run_step` is what ``vpo stage`` does (and what ``dvc repro`` calls through it): it computes the
 step's fingerprint (settings, code, inputs), compares it with the record in its output, runs the
 stage only when they differ ("vpo-s0: trainer.learning_rate changed 0.0001 -> 0.0005; running"),
-then records the new output. :func:`run_all` is ``vpo run``: every step of the plan under the run
+then records the new output. :func:`run_all` is ``vpo run``: every step of the pipeline under the run
 folder's lock, in order, except that independent steps (the arm x seed training runs) run side by
 side, each as its own ``vpo stage train`` process with its own threads and GPUs
 (:mod:`vpo.pipeline.engine.execution`, ``execution.max_parallel``). When DVC manages the variant, the
@@ -27,9 +27,9 @@ from vpo.pipeline.engine.console import log, stage_done, stage_started
 from vpo.pipeline.engine.context import StageContext
 from vpo.pipeline.engine.errors import StageError
 from vpo.pipeline.engine.execution import (
-    ExecutionPlan,
+    Concurrency,
     check_hardware,
-    execution_plan,
+    concurrency,
     stage_threads,
     torch_threads,
 )
@@ -42,7 +42,7 @@ from vpo.pipeline.engine.state import (
     why_stale,
     write_state,
 )
-from vpo.pipeline.steps import Step, plan, stage
+from vpo.pipeline.steps import Step, stage, steps_of
 
 __all__ = ["StageProcessFailed", "fingerprint", "independent_groups", "run_all", "run_side_by_side", "run_step",
            "staleness"]
@@ -167,7 +167,7 @@ def run_step(cfg: PipelineConfig, step: Step, *, layout: RunLayout | None = None
 
 
 def independent_groups(steps: Sequence[Step]) -> list[list[Step]]:
-    """The plan cut into groups run one after another: consecutive per-run steps (the training runs,
+    """The steps cut into groups run one after another: consecutive per-run steps (the training runs,
     which read the same inputs and write separate folders) form one group; every other step is a
     group of its own."""
     groups: list[list[Step]] = []
@@ -179,7 +179,7 @@ def independent_groups(steps: Sequence[Step]) -> list[list[Step]]:
     return groups
 
 
-def run_side_by_side(cfg: PipelineConfig, steps: Sequence[Step], ex: ExecutionPlan, *, layout: RunLayout,
+def run_side_by_side(cfg: PipelineConfig, steps: Sequence[Step], ex: Concurrency, *, layout: RunLayout,
                      force: bool = False) -> dict[str, Any]:
     """Run independent per-run steps as ``vpo stage`` processes (:func:`run_processes`); returns
     each step's summary."""
@@ -211,18 +211,18 @@ def _shown_path(path: Any) -> str:
 
 def run_all(cfg: PipelineConfig, stages: Sequence[str] | None = None, *, search: bool = True,
             force: bool = False, progress: bool = True, record: bool = True) -> dict[str, Any]:
-    """Run the plan's steps (the main job) holding the run folder's lock
+    """Run the pipeline's steps (the main job) holding the run folder's lock
     (:class:`vpo.pipeline.engine.locking.LockBusyError` at once if another run holds it): in order, the
     training runs side by side when ``execution.max_parallel`` allows; then, with ``record``, record
     them in ``dvc.lock`` when DVC manages this variant."""
     from vpo.pipeline.engine.locking import pipeline_lock
 
     layout = RunLayout.of(cfg)
-    steps = plan(cfg, stages, search=search)
+    steps = steps_of(cfg, stages, search=search)
     results: dict[str, Any] = {}
     with pipeline_lock(layout.root, cfg.variant):
         for group in independent_groups(steps):
-            ex = execution_plan(cfg, len(group)) if len(group) > 1 else None
+            ex = concurrency(cfg, len(group)) if len(group) > 1 else None
             if ex is not None and ex.max_parallel > 1:
                 results.update(run_side_by_side(cfg, group, ex, layout=layout, force=force))
                 continue

@@ -1,7 +1,7 @@
 """The stage table: every stage of a pipeline, what it reads and writes, in run order.
 
 ``vpo run``, the CLI's stage list and help, ``dvc.yaml`` (:mod:`vpo.pipeline.dvc.generate` renders it), the
-Prefect flow's plan and the benchmarks all read this table, so a stage is added or changed here and
+Prefect flow's run and the benchmarks all read this table, so a stage is added or changed here and
 nowhere else. ``params`` are keys of :meth:`PipelineConfig.settings` (``arm`` is the run's own arm);
 ``code`` lists the files whose content the output depends on (the task's own file is added): both feed
 the stage's fingerprint (:mod:`vpo.pipeline.engine.state`) and its DVC deps.
@@ -18,7 +18,7 @@ from vpo.pipeline.config.layout import ArmRun, arm_runs
 from vpo.pipeline.engine.context import StageContext
 from vpo.pipeline.stages import base, data, evaluate, register, rewards, search, train
 
-__all__ = ["STAGES", "Stage", "Step", "plan", "stage"]
+__all__ = ["STAGES", "Stage", "Step", "stage", "steps_of"]
 
 _LIB = ("vpo/rewards.py", "vpo/answers.py", "vpo/tasks/__init__.py")
 _ADVANTAGES = ("vpo/advantages/__init__.py", "vpo/advantages/batching.py", "vpo/advantages/estimators.py",
@@ -99,7 +99,7 @@ def stage(name: str) -> Stage:
 
 @dataclass(frozen=True)
 class Step:
-    """One stage instance of a plan: a stage, and for the train stage one arm run."""
+    """One stage instance of a pipeline's steps: a stage, and for the train stage one arm run."""
 
     stage: Stage
     run: ArmRun | None = None
@@ -123,7 +123,7 @@ def search_enabled(cfg: PipelineConfig) -> bool:
     return cfg.search is not None and cfg.search.enabled
 
 
-def plan(cfg: PipelineConfig, names: Sequence[str] | None = None, *, search: bool = True) -> list[Step]:
+def steps_of(cfg: PipelineConfig, names: Sequence[str] | None = None, *, search: bool = True) -> list[Step]:
     """The steps to run for ``cfg``, in order: every stage (or only ``names``), one train step per arm
     run; the optional search stage only when enabled in the config and ``search`` is true."""
     wanted = set(names) if names is not None else None

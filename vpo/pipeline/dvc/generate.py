@@ -39,7 +39,7 @@ from vpo.pipeline.config import DEFAULT_PATH, PipelineConfig, load_pipeline, loa
 from vpo.pipeline.config.layout import RunLayout, arm_runs
 from vpo.pipeline.dvc.params import PARAMS_FILE, settings_digest, variant_settings
 from vpo.pipeline.engine.state import CODE_ROOT
-from vpo.pipeline.steps import Step, plan
+from vpo.pipeline.steps import Step, steps_of
 
 __all__ = ["DEFAULT_VARIANTS", "LAUNCHER", "declared_variants", "dvc_yaml_text", "generate", "main",
            "params_yaml_text", "variants"]
@@ -189,7 +189,7 @@ def _variant(cfg: PipelineConfig) -> tuple[dict[str, Any], list[Any], list[Any]]
     layout = RunLayout.relative(cfg)
     v = cfg.variant
     stages: dict[str, Any] = {}
-    for step in plan(cfg):
+    for step in steps_of(cfg):
         if not step.stage.in_dvc:
             continue
         name = f"{v}-{step.stage.name}"

@@ -1,6 +1,6 @@
 """How many independent stages run at once, and what each one gets: torch threads and GPUs.
 
-The independent stages of a plan are its arm x seed training runs (they read the same inputs and
+The independent stages of a pipeline are its arm x seed training runs (they read the same inputs and
 write separate folders), and within the search stage, each arm's search. ``execution.max_parallel``
 bounds how many run at once; by default it is derived from the machine and from what one run
 declares it needs:
@@ -38,7 +38,7 @@ from vpo.pipeline.engine.errors import StageError
 if TYPE_CHECKING:
     from vpo.pipeline.config import PipelineConfig
 
-__all__ = ["THREADS_ENV", "ExecutionPlan", "Machine", "Slot", "check_hardware", "execution_plan", "stage_threads",
+__all__ = ["THREADS_ENV", "Concurrency", "Machine", "Slot", "check_hardware", "concurrency", "stage_threads",
            "torch_threads"]
 
 THREADS_ENV = "VPO_STAGE_THREADS"
@@ -95,7 +95,7 @@ class Slot:
 
 
 @dataclass(frozen=True)
-class ExecutionPlan:
+class Concurrency:
     """How a group of independent stages runs: at most ``max_parallel`` at once, one slot each."""
 
     max_parallel: int
@@ -154,7 +154,7 @@ def stage_threads(cfg: PipelineConfig, n_stages: int | None = None, machine: Mac
     return max(1, machine.cores // _fit(max(1, n), machine, stage_devices(cfg, machine)))
 
 
-def execution_plan(cfg: PipelineConfig, n_stages: int, machine: Machine | None = None) -> ExecutionPlan:
+def concurrency(cfg: PipelineConfig, n_stages: int, machine: Machine | None = None) -> Concurrency:
     """How ``n_stages`` independent training runs of ``cfg`` run on ``machine`` (default: this one)."""
     machine = machine or Machine.detect()
     devices = stage_devices(cfg, machine)
@@ -173,7 +173,7 @@ def execution_plan(cfg: PipelineConfig, n_stages: int, machine: Machine | None =
     else:
         n = min(n_stages, max(1, machine.cores // threads), gpu_slots)
         reason = f"{hardware}, {per_run} per run"
-    return ExecutionPlan(max(1, int(n)), threads, devices, machine, reason)
+    return Concurrency(max(1, int(n)), threads, devices, machine, reason)
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from vpo.pipeline.config.layout import RunLayout
 from vpo.pipeline.engine.console import relay
 from vpo.pipeline.engine.errors import EXIT_BAD_INPUT, EXIT_LOCKED, StageError
-from vpo.pipeline.engine.execution import ExecutionPlan, Slot
+from vpo.pipeline.engine.execution import Concurrency, Slot
 
 __all__ = ["StageProcessFailed", "run_processes"]
 
@@ -99,7 +99,7 @@ def _failure(children: list[_Child], layout: RunLayout) -> BaseException:
     return StageProcessFailed(f"{first.label} exited with {rc}{others}; its last output:\n{tail}")
 
 
-def run_processes(jobs: Sequence[tuple[str, Sequence[str]]], ex: ExecutionPlan, *, layout: RunLayout,
+def run_processes(jobs: Sequence[tuple[str, Sequence[str]]], ex: Concurrency, *, layout: RunLayout,
                   on_done: Callable[[str], None] | None = None, poll_s: float = 0.2) -> None:
     """Run ``vpo`` commands (``(label, argv)``, e.g. ``("train@vpo-s0", ["stage", "train", ...])``),
     at most ``ex.max_parallel`` at once, each in a slot of its own (threads, GPUs) and allowed to work

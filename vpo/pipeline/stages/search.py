@@ -28,7 +28,7 @@ from vpo.pipeline.engine.console import log, progress
 from vpo.pipeline.engine.console import table as table_out
 from vpo.pipeline.engine.context import StageContext
 from vpo.pipeline.engine.errors import StageError
-from vpo.pipeline.engine.execution import execution_plan, stage_threads, torch_threads
+from vpo.pipeline.engine.execution import concurrency, stage_threads, torch_threads
 from vpo.pipeline.engine.inputs import load_rows, read_json, read_npy, stage_command
 from vpo.pipeline.engine.state import read_state, why_stale, write_state
 
@@ -141,7 +141,7 @@ def _shards_side_by_side(ctx: StageContext, arms: Sequence[str], bar: Any) -> bo
     did (one at a time, the caller searches them in this process, with the same threads)."""
     from vpo.pipeline.engine.fanout import run_processes
 
-    ex = execution_plan(ctx.cfg, len(arms))
+    ex = concurrency(ctx.cfg, len(arms))
     if len(arms) < 2 or ex.max_parallel < 2:
         return False
     log(f"search: {len(arms)} arms, {ex.max_parallel} at once ({ex.reason})")
