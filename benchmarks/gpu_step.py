@@ -16,7 +16,7 @@ Two engines run the same step:
 ``auto`` picks ``trl`` when TRL is importable, else ``manual``. bf16 weights and autocast on CUDA,
 float32 on CPU. Peak memory: ``torch.cuda.max_memory_allocated`` on CUDA, else the peak RSS
 (``ru_maxrss``, reset before each arm through ``/proc/self/clear_refs``) minus the RSS before the
-model was built. The plan (:mod:`vpo.memory_plan`) is given the same settings.
+model was built. The plan (:mod:`vpo.memory`) is given the same settings.
 
     # CPU, tiny (seconds):
     python benchmarks/gpu_step.py --model smollm2-135m --layers 2 --hidden 64 --vocab 512 --steps 2
@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vpo.memory_plan import (
+from vpo.memory import (
     Device,
     LoraShape,
     ModelShape,

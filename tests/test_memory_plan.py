@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from vpo.memory_plan import (
+from vpo.memory import (
     DEVICES,
     Device,
     GiB,
@@ -263,14 +263,14 @@ def test_cpu_plans_must_fit_the_ram_and_say_when_it_is_not_free_now() -> None:
     busy = Device("busy CPU", 16 * GiB, "cpu", 50e9, available=1 * GiB)
     plan = check(plan_step(shipped("SmolLM2-135M-Instruct"), settings(), device=busy))
     assert plan.fits and plan.above_available
-    from vpo.memory_plan import format_plan
+    from vpo.memory import format_plan
 
     assert "1.0 GiB available now" in format_plan(plan) and "more than is free now" in format_plan(plan)
     assert not plan_step(shipped("SmolLM2-135M-Instruct"), settings(), device=CPU).above_available
 
 
 def test_generation_time_is_bounded_by_the_decode_floor_and_by_bandwidth() -> None:
-    from vpo.memory_plan import DECODE_FLOOR_PER_LAYER, known_gpu
+    from vpo.memory import DECODE_FLOOR_PER_LAYER, known_gpu
 
     small = shipped("Qwen2.5-0.5B-Instruct")
     s = settings(bf16=True, param_dtype="bfloat16", max_completion_length=512)

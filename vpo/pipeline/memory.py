@@ -1,4 +1,4 @@
-"""The memory plan for a pipeline's arms: :mod:`vpo.memory_plan` fed from the pipeline's settings.
+"""The memory plan for a pipeline's arms: :mod:`vpo.memory` fed from the pipeline's settings.
 
 Inputs, each read from the one place that owns it: the model's ``config.json`` (the built base model
 when it exists, else the model folder, the Hugging Face cache, or a config shipped in
@@ -21,13 +21,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from vpo.memory_plan import (
+from vpo.memory import (
     Device,
     GiB,
     LoraShape,
+    MemoryPlan,
     ModelShape,
     Parallel,
-    Plan,
     PlanError,
     TrainSettings,
     check,
@@ -206,7 +206,7 @@ def local_device() -> Device:
 
 
 def target_device(name: str | None = None, memory_gib: float | None = None, tflops: float | None = None) -> Device:
-    """A named device (:data:`vpo.memory_plan.DEVICES`), or this machine's; ``memory_gib`` and
+    """A named device (:data:`vpo.memory.DEVICES`), or this machine's; ``memory_gib`` and
     ``tflops`` override its memory and FLOP/s."""
     dev = device_by_name(name) if name else local_device()
     if memory_gib is not None:
@@ -229,7 +229,7 @@ def _prompt_tokens(cfg: PipelineConfig) -> int:
 
 def arm_plan(cfg: PipelineConfig, run: ArmRun, *, device: Device, parallel: Parallel | None = None,
              kwargs: Mapping[str, Any] | None = None, layout: RunLayout | None = None,
-             shape: tuple[ModelShape, str, str] | None = None) -> Plan:
+             shape: tuple[ModelShape, str, str] | None = None) -> MemoryPlan:
     """The plan of one arm run. ``kwargs``: the VPOConfig arguments (default: what the train stage
     would build; a built config's ``vars()`` also works)."""
     layout = layout or RunLayout.of(cfg)
@@ -244,7 +244,7 @@ def arm_plan(cfg: PipelineConfig, run: ArmRun, *, device: Device, parallel: Para
         raise StageError(f"pipeline {cfg.name!r} arm {run.arm.name!r}: {exc}") from None
 
 
-def check_plan(ctx: Any, args: Any) -> Plan:
+def check_plan(ctx: Any, args: Any) -> MemoryPlan:
     """The train stage's check before it loads the model: the plan of this arm run with the built
     VPOConfig ``args`` on this process's device. Raises :class:`StageError` naming the setting to
     change when it does not fit (``VPO_MEMORY_PLAN=warn``: log it and go on)."""
@@ -276,7 +276,7 @@ def check_plan(ctx: Any, args: Any) -> Plan:
 
 
 def plan_pipeline(cfg: PipelineConfig, *, device: Device, processes: int | None = None, arm: str | None = None,
-                  shape: tuple[ModelShape, str, str] | None = None) -> list[tuple[str, Plan]]:
+                  shape: tuple[ModelShape, str, str] | None = None) -> list[tuple[str, MemoryPlan]]:
     """(label, plan) for every enabled arm (first seed: seeds do not change memory)."""
     layout = RunLayout.of(cfg)
     shape = shape or model_shape(cfg, layout)
@@ -319,7 +319,7 @@ def main(cfg: PipelineConfig, *, device: str | None = None, memory_gib: float | 
     return 2 if failed else 0
 
 
-def _plan_json(label: str, p: Plan) -> dict[str, Any]:
+def _plan_json(label: str, p: MemoryPlan) -> dict[str, Any]:
     return {"label": label, "device": p.device.name, "device_memory": p.device.memory,
             "device_available": p.device.available, "peak": p.peak,
             "peak_phase": p.peak_phase, "verdict": p.verdict, "components": p.components, "runtime": p.runtime,
