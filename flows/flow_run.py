@@ -1,8 +1,8 @@
 """What a retrain flow run will do, resolved from the config and the stage table before any work.
 
 The steps are :func:`vpo.pipeline.steps.steps_of`'s (the stages ``dvc.yaml`` declares, in order), in
-groups (:meth:`Plan.groups`): the arm x seed training runs form one group that runs side by side
-(at most :attr:`Plan.max_parallel` at once, each in a slot of its own threads and GPUs, see
+groups (:meth:`FlowRun.groups`): the arm x seed training runs form one group that runs side by side
+(at most :attr:`FlowRun.max_parallel` at once, each in a slot of its own threads and GPUs, see
 :mod:`vpo.pipeline.engine.execution`); every other stage is a group of its own. When DVC manages the
 pipeline (the repository's own ``pipelines.yaml`` with a current ``dvc.yaml``) a lone stage runs as
 ``dvc repro --single-item <variant>-<label>``, and the training runs as the commands ``dvc.yaml``
@@ -29,7 +29,7 @@ from vpo.pipeline.dvc.record import declared_stages
 from vpo.pipeline.engine.execution import Slot, concurrency
 from vpo.pipeline.steps import steps_of
 
-__all__ = ["Plan", "StageStep", "artifact_slug", "make_plan"]
+__all__ = ["FlowRun", "StageStep", "artifact_slug", "flow_run"]
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class StageStep:
 
 
 @dataclass(frozen=True)
-class Plan:
+class FlowRun:
     """What a flow run will do, resolved from the config before any work starts."""
 
     pipeline: str
@@ -107,8 +107,8 @@ def artifact_slug(text: str) -> str:
     return re.sub(r"-{2,}", "-", slug) or "vpo"
 
 
-def make_plan(pipeline: str = "route", quick: bool = False, config: str | os.PathLike[str] = "pipelines.yaml",
-              overrides: dict[str, Any] | None = None) -> Plan:
+def flow_run(pipeline: str = "route", quick: bool = False, config: str | os.PathLike[str] = "pipelines.yaml",
+              overrides: dict[str, Any] | None = None) -> FlowRun:
     """Load the pipeline (one clear ConfigError on a bad file or override) and decide DVC vs CLI mode."""
     config_path = Path(config).expanduser().resolve()
     overrides = dict(overrides or {})
@@ -148,7 +148,7 @@ def make_plan(pipeline: str = "route", quick: bool = False, config: str | os.Pat
     remote = cfg.resolve_url(cfg.storage.dvc_remote) if cfg.storage.dvc_remote else None
     n_runs = sum(1 for s in steps if s.per_run)
     ex = concurrency(cfg, max(1, n_runs))
-    return Plan(
+    return FlowRun(
         pipeline=cfg.name,
         quick=cfg.quick,
         config=config_path,

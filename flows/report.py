@@ -14,7 +14,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from flows.plan import Plan, artifact_slug
+from flows.flow_run import FlowRun, artifact_slug
 from vpo.pipeline.config.layout import RunLayout
 from vpo.pipeline.engine.storage import redact
 
@@ -130,25 +130,25 @@ def evaluation_md(metrics: dict[str, Any]) -> str:
     return "\n".join(md)
 
 
-def _header(plan: Plan, lock_sha: str | None) -> list[str]:
+def _header(run: FlowRun, lock_sha: str | None) -> list[str]:
     return [
-        f"- pipeline `{plan.pipeline}`{' (quick preset)' if plan.quick else ''}, config `{plan.config.name}`",
-        f"- git revision `{_git_rev(plan.repo) or 'n/a'}`" + (f", dvc.lock sha256 `{lock_sha[:16]}`" if lock_sha else ""),
-        f"- mode: {plan.mode_note}",
+        f"- pipeline `{run.pipeline}`{' (quick preset)' if run.quick else ''}, config `{run.config.name}`",
+        f"- git revision `{_git_rev(run.repo) or 'n/a'}`" + (f", dvc.lock sha256 `{lock_sha[:16]}`" if lock_sha else ""),
+        f"- mode: {run.mode_note}",
     ]
 
 
-def publish_failure(plan: Plan, completed: list[dict[str, Any]], failed: str, error: BaseException) -> None:
+def publish_failure(run: FlowRun, completed: list[dict[str, Any]], failed: str, error: BaseException) -> None:
     """The report of a failed run (same artifact key as a successful one): which step failed, its error
     line and the end of its output, what completed before it, what did not run, how to go on."""
-    slug = artifact_slug(plan.variant)
+    slug = artifact_slug(run.variant)
     text = redact(str(error)).strip() or error.__class__.__name__
     first, *rest = text.splitlines()
     errors = [line.strip() for line in rest if line.strip().lower().startswith(("error:", "error "))]
-    labels = [s.label for s in plan.steps] + ["dvc-push", "register", "publish"]
+    labels = [s.label for s in run.steps] + ["dvc-push", "register", "publish"]
     done = {r.get("stage") for r in completed}
     not_run = [label for label in labels if label not in done and label != failed]
-    md = [f"# Retrain FAILED: `{plan.variant}` at `{failed}`", "", *_header(plan, None), "",
+    md = [f"# Retrain FAILED: `{run.variant}` at `{failed}`", "", *_header(run, None), "",
           f"**Error** ({error.__class__.__name__}): {first}", ""]
     if errors:  # the stage's own one-line error, as wrapping text (a code block is cut off on the right)
         md += [f"> {errors[-1]}", ""]
@@ -160,40 +160,40 @@ def publish_failure(plan: Plan, completed: list[dict[str, Any]], failed: str, er
            ("Fix the cause and run the flow again: completed stages are up to date and are not redone; a "
             "training run resumes from its last checkpoint.")]
     create_markdown_artifact(key=f"{slug}-report", markdown="\n".join(md),
-                             description=f"{plan.variant}: FAILED at {failed}")
+                             description=f"{run.variant}: FAILED at {failed}")
 
 
 @task(name="publish", cache_policy=NO_CACHE)
 def publish(
-    plan: Plan,
+    run: FlowRun,
     stages: list[dict[str, Any]],
     pulled: dict[str, Any] | None,
     pushed: dict[str, Any] | None,
     registry: dict[str, Any],
 ) -> dict[str, Any]:
     """Markdown report (best@k PNG inline, eval table, stages, lineage) and metrics/registry tables."""
-    slug = artifact_slug(plan.variant)
-    layout = RunLayout(plan.run_dir, plan.variant)
+    slug = artifact_slug(run.variant)
+    layout = RunLayout(run.run_dir, run.variant)
     metrics = json.loads(layout.eval_metrics.read_text(encoding="utf-8"))
     m_rows, r_rows = metrics_rows(metrics), registry_rows(registry)
     create_table_artifact(
         key=f"{slug}-metrics",
         table=m_rows,
-        description=f"{plan.variant}: held-out evaluation per arm (mean over seeds; curves in the report)",
+        description=f"{run.variant}: held-out evaluation per arm (mean over seeds; curves in the report)",
     )
     create_table_artifact(
         key=f"{slug}-registry",
         table=r_rows,
-        description=f"{plan.variant}: registered checkpoints (path, content hash, git revision, dvc.lock)",
+        description=f"{run.variant}: registered checkpoints (path, content hash, git revision, dvc.lock)",
     )
     png = layout.eval_plot
-    lock_sha = _sha256(plan.repo / "dvc.lock") if plan.use_dvc else None
+    lock_sha = _sha256(run.repo / "dvc.lock") if run.use_dvc else None
     md = [
-        f"# Retrain report: `{plan.variant}`",
+        f"# Retrain report: `{run.variant}`",
         "",
-        *_header(plan, lock_sha),
+        *_header(run, lock_sha),
         f"- DVC remote: {pushed['remote'] + ' (pushed)' if pushed else 'none configured'}",
-        f"- registry: `{registry.get('registry', plan.registry_url)}` ({len(r_rows)} entries)",
+        f"- registry: `{registry.get('registry', run.registry_url)}` ({len(r_rows)} entries)",
         "",
         "## best@k per arm",
         "",
@@ -221,6 +221,6 @@ def publish(
     if pulled:
         md += [f"DVC pull from {pulled['remote']} took {pulled['seconds']} s."]
     create_markdown_artifact(
-        key=f"{slug}-report", markdown=redact("\n".join(md)), description=f"{plan.variant}: evaluation report"
+        key=f"{slug}-report", markdown=redact("\n".join(md)), description=f"{run.variant}: evaluation report"
     )
     return {"metrics": m_rows, "registry": r_rows, "stages": stages, "dvc_lock_sha256": lock_sha}

@@ -1,5 +1,5 @@
 """The flow's Prefect tasks: one per stage (a subprocess, retried with backoff), DVC pull, commit and
-push, registration. Nothing here decides what a stage is: :mod:`flows.plan` and the stage table do.
+push, registration. Nothing here decides what a stage is: :mod:`flows.flow_run` and the stage table do.
 
 Stages run in a subprocess (its own process group, registered with :mod:`vpo.pipeline.engine.processes`
 so a SIGTERM or Ctrl-C of the command stops it), so a retry starts clean; a non-zero exit fails the
@@ -41,7 +41,7 @@ from prefect.runtime import task_run as runtime_task_run
 from prefect.states import State
 from prefect.tasks import Task, exponential_backoff
 
-from flows.plan import Plan, artifact_slug
+from flows.flow_run import FlowRun, artifact_slug
 from vpo.pipeline.engine.errors import EXIT_BAD_INPUT
 from vpo.pipeline.engine.processes import kill_group, stopping, track, untrack
 from vpo.pipeline.engine.storage import configure_dvc_remote, redact, subprocess_env
@@ -507,7 +507,7 @@ def _dvc(args: list[str], cwd: Path, label: str) -> _Result:
 @task(**_retrying("dvc-pull", 3, 10))
 def dvc_pull(repo: str, remote_url: str, remote_name: str, targets: list[str], force: bool = False) -> dict[str, Any]:
     """Point DVC at the remote (``.dvc/config.local``, URL only) and restore the given stages' outputs
-    (the plan passes only stages whose outputs are not in the workspace: nothing here is overwritten;
+    (the flow run passes only stages whose outputs are not in the workspace: nothing here is overwritten;
     ``force``: outputs another machine produced replace what is here)."""
     configure_dvc_remote(repo, remote_url, name=remote_name)
     if not targets:
@@ -584,16 +584,16 @@ def train_on_pool(deployment: str, label: str, parameters: dict[str, Any], key: 
 
 
 @task(**_retrying("register", 2, 10))
-def register(plan: Plan) -> dict[str, Any]:
+def register(run: FlowRun) -> dict[str, Any]:
     """Register every arm checkpoint (``vpo stage register``) and return registry.json. Registrations
     into one registry take turns across machines (a global concurrency limit, :mod:`flows.locks`)."""
     from flows.locks import Busy, exclusive, registry_limit
 
     maybe_inject_fault("register")
     try:
-        with exclusive(registry_limit(plan.registry_url), f"registration into {redact(plan.registry_url)}",
+        with exclusive(registry_limit(run.registry_url), f"registration into {redact(run.registry_url)}",
                        wait_s=REGISTRY_WAIT_S):
-            res = run_streaming(vpo_cmd(*plan.register_argv), plan.repo, log_prefix="register")
+            res = run_streaming(vpo_cmd(*run.register_argv), run.repo, log_prefix="register")
     except Busy as exc:
         raise StageFailed(str(exc)) from None
     if res.rc != 0:
@@ -601,7 +601,7 @@ def register(plan: Plan) -> dict[str, Any]:
         raise kind(f"register failed (exit code {res.rc}); last output:\n" + "\n".join(res.tail[-30:]))
     from vpo.pipeline.config.layout import RunLayout
 
-    return json.loads(RunLayout(plan.run_dir, plan.variant).registry_json.read_text(encoding="utf-8"))
+    return json.loads(RunLayout(run.run_dir, run.variant).registry_json.read_text(encoding="utf-8"))
 
 
 
