@@ -210,12 +210,8 @@ def _closing_line() -> None:
     path = console.log_file()
     if path is None:
         return
-    try:
-        shown = os.path.relpath(path)
-    except ValueError:
-        shown = str(path)
     n = console.warning_count()
-    console.log(f"full log: {shown}" + (f" ({n} library warning{'s' if n != 1 else ''} in it)" if n else ""))
+    console.log(f"full log: {console.shown_path(path)}" + (f" ({n} library warning{'s' if n != 1 else ''} in it)" if n else ""))
 
 
 def _stage(args: argparse.Namespace, cfg: Any) -> int:

@@ -14,7 +14,6 @@ steps are then recorded in ``dvc.lock`` (:mod:`vpo.pipeline.dvc.record`), so ``d
 from __future__ import annotations
 
 import errno
-import os
 import shutil
 import time
 from collections.abc import Sequence
@@ -23,7 +22,7 @@ from typing import Any
 from vpo.atomic import remove_stale_temps, remove_temps_in
 from vpo.pipeline.config import RUN_INDEPENDENT_ARM_KEYS, PipelineConfig
 from vpo.pipeline.config.layout import RunLayout, arm_runs
-from vpo.pipeline.engine.console import log, stage_done, stage_started
+from vpo.pipeline.engine.console import log, shown_path, stage_done, stage_started
 from vpo.pipeline.engine.context import StageContext
 from vpo.pipeline.engine.errors import StageError
 from vpo.pipeline.engine.execution import (
@@ -184,7 +183,7 @@ def run_side_by_side(cfg: PipelineConfig, steps: Sequence[Step], ex: Concurrency
     """Run independent per-run steps as ``vpo stage`` processes (:func:`run_processes`); returns
     each step's summary."""
     log(f"{len(steps)} training runs, {ex.max_parallel} at once ({ex.reason}); per-run logs in "
-        f"{_shown_path(layout.logs)}/*-stage-train-*.log")
+        f"{shown_path(layout.logs)}/*-stage-train-*.log")
     by_label = {s.label: s for s in steps}
     jobs = []
     for step in steps:
@@ -200,13 +199,6 @@ def run_side_by_side(cfg: PipelineConfig, steps: Sequence[Step], ex: Concurrency
 
     run_processes(jobs, ex, layout=layout, on_done=done)
     return results
-
-
-def _shown_path(path: Any) -> str:
-    try:
-        return os.path.relpath(path)
-    except ValueError:
-        return str(path)
 
 
 def run_all(cfg: PipelineConfig, stages: Sequence[str] | None = None, *, search: bool = True,

@@ -43,6 +43,7 @@ from vpo.pipeline.config.sections import (
     Strict,
     TaskConfig,
     base_dir,
+    unique,
 )
 from vpo.pipeline.config.source import ConfigError, from_set
 
@@ -134,9 +135,7 @@ class _ArmOwn(Strict):
     @field_validator("seeds")
     @classmethod
     def _unique_seeds(cls, value: list[int]) -> list[int]:
-        if len(set(value)) != len(value):
-            raise ValueError(f"seeds must be unique, got {value}")
-        return value
+        return unique(value, "seeds")
 
     @field_validator("estimator")
     @classmethod

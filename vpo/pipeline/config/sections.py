@@ -24,7 +24,7 @@ from pydantic import (
 
 __all__ = ["NAME_RE", "DatasetConfig", "EvaluationConfig", "ExecutionConfig", "GgufConfig", "LoraConfig",
            "ModelConfig", "ParseCheckConfig", "SFTConfig", "SearchConfig", "SearchDatabaseConfig", "StorageConfig",
-           "Strict", "TaskConfig", "base_dir"]
+           "Strict", "TaskConfig", "base_dir", "unique"]
 
 NAME_RE = r"^[a-z0-9][a-z0-9_-]*$"  # used in file names, DVC stage names and Prefect keys
 _S3_RE = re.compile(r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$")
@@ -42,6 +42,13 @@ class Strict(BaseModel):
 def base_dir(info: ValidationInfo) -> Path:
     ctx = info.context or {}
     return Path(ctx.get("base_dir", "."))
+
+
+def unique(value: list[Any], what: str) -> list[Any]:
+    """``value`` when no item repeats; else a ValueError saying ``what`` must be unique."""
+    if len(set(value)) != len(value):
+        raise ValueError(f"{what} must be unique, got {value}")
+    return value
 
 
 def _check_local_url(value: str, what: str) -> str:
@@ -151,9 +158,7 @@ class DatasetConfig(Strict):
     @field_validator("splits")
     @classmethod
     def _unique_splits(cls, value: list[str]) -> list[str]:
-        if len(set(value)) != len(value):
-            raise ValueError(f"split names must be unique, got {value}")
-        return value
+        return unique(value, "split names")
 
 
 class LoraConfig(Strict):

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Self, TextIO
 
 __all__ = ["PLAIN_BAR_INTERVAL_S", "Bar", "command", "current_stage", "detail", "format_numbers", "interrupted",
-           "log", "log_file", "progress", "quiet_libraries", "relay", "session", "stage_done", "stage_started",
+           "log", "log_file", "progress", "quiet_libraries", "relay", "session", "shown_path", "stage_done", "stage_started",
            "table", "warning_count"]
 
 PREFIX = "[vpo]"
@@ -124,6 +124,14 @@ def command(*words: str) -> str:
         script = Path(sys.executable).with_name("vpo")
         head = shlex.quote(str(script)) if script.is_file() else f"{shlex.quote(sys.executable)} -m vpo.pipeline.cli"
     return " ".join([head, *(shlex.quote(w) for w in words)])
+
+
+def shown_path(path: str | os.PathLike[str]) -> str:
+    """A path as a console line shows it: relative to the current folder, absolute where it cannot be."""
+    try:
+        return os.path.relpath(path)
+    except ValueError:
+        return str(path)
 
 
 def stage_started(label: str, why: str, verb: str = "running") -> None:
