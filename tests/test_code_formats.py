@@ -14,9 +14,9 @@ import pytest
 
 from vpo.sandbox import private_view_available
 from vpo.tasks.code import CodeTask
+from vpo.tasks.code_asserts import assert_tests
 from vpo.tasks.code_formats import (
     ImportStats,
-    assert_tests,
     decode_lcb_tests,
     detect_format,
     load_problems,

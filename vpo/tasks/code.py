@@ -40,7 +40,8 @@ from vpo.answers import append_to_prompt, numbered_tags, parse_code_answers, pyt
 from vpo.rewards import VectorReward
 from vpo.sandbox import Job, Sandbox, SandboxConfig, TestCase, default_hide_paths
 from vpo.tasks import Task, register_task
-from vpo.tasks.code_formats import FORMATS, ImportStats, judge_settings, load_problems, select_tests
+from vpo.tasks.code_asserts import judge_settings
+from vpo.tasks.code_formats import FORMATS, ImportStats, load_problems, select_tests
 
 __all__ = [
     "EMBEDDED_PROBLEMS",
