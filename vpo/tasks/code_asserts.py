@@ -13,14 +13,17 @@ import ast
 import copy
 import json
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from vpo.sandbox import TestCase, encode_value
 
-if TYPE_CHECKING:
-    from vpo.tasks.code_formats import ImportStats
 
-__all__ = ["CANDIDATE", "JUDGE_DEFAULTS", "assert_tests", "check_program", "judge_settings", "prompt_helpers"]
+class Counts(Protocol):
+    """Where an import counts what it did (:class:`vpo.tasks.code_formats.ImportStats`)."""
+
+    def add(self, key: str, n: int = 1) -> None: ...
+
+__all__ = ["CANDIDATE", "JUDGE_DEFAULTS", "Counts", "assert_tests", "check_program", "judge_settings", "prompt_helpers"]
 
 # How assert-based datasets (HumanEval, MBPP) are judged by their own harnesses: the program is
 # the prompt (or setup code) + the solution + the test code, run with no extra imports, every
@@ -219,7 +222,7 @@ def check_program(helpers: str, module_stmts: Sequence[ast.stmt], steps: Sequenc
 
 
 def assert_tests(
-    source: str, entry_point: str, *, helpers: str = "", translate: bool = True, stats: ImportStats | None = None
+    source: str, entry_point: str, *, helpers: str = "", translate: bool = True, stats: Counts | None = None
 ) -> tuple[list[dict[str, Any]], str]:
     """Tests from assert-based test code: a HumanEval-style ``check(candidate)`` function or
     MBPP-style module-level asserts. One test per statement that calls the solution (the
