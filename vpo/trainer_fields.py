@@ -42,8 +42,7 @@ class VPOFields(BaseModel):
 
     model_config = ConfigDict(use_attribute_docstrings=True)
 
-    num_answers: Annotated[int, Field(ge=1)] = ours(
-        1, "one answer per rollout, the format every estimator takes; an m-answer arm says so (the paper's m = 3)")
+    num_answers: Annotated[int, Field(ge=1)] = ours(1, "the format every estimator takes; an m-answer arm says so")
     """Answers per rollout (1 = the single-answer format)."""
     num_weights: Annotated[int, Field(ge=1)] = 100
     """K: Dirichlet weightings per prompt group."""

@@ -98,8 +98,7 @@ class _TRLFields(BaseModel):
     max_steps: Annotated[int, Field(gt=0)] = ours(
         100, "the pipeline trains a fixed number of optimizer steps (TRL: -1, i.e. by epochs)")
     """Overrides `num_train_epochs`."""
-    learning_rate: Annotated[Float, Field(gt=0)] = ours(
-        5e-4, "sized for the embedded char model; every shipped pipeline sets its own")
+    learning_rate: Annotated[Float, Field(gt=0)] = ours(5e-4, "sized for the embedded char model (TRL: 1e-6)")
     """The initial learning rate for AdamW."""
     lr_scheduler_type: LrSchedulerType = ours(
         "constant", "the paper trains at a constant learning rate (TRL: linear decay)")
@@ -144,8 +143,7 @@ class _TRLFields(BaseModel):
     """Enable activation checkpointing to trade compute for memory."""
     activation_checkpointing_kwargs: dict[str, Any] | str | None = None
     """Keyword arguments passed to `activation_checkpointing_enable()`."""
-    gradient_checkpointing: bool = ours(
-        False, "off: on CPU it only costs time (TRL: on); turn it on for big models")
+    gradient_checkpointing: bool = ours(False, "off: on CPU it only costs time (TRL: on); turn it on for big models")
     """Enable gradient checkpointing to trade compute for memory."""
     gradient_checkpointing_kwargs: dict[str, Any] | str | None = None
     """Deprecated alias of `activation_checkpointing_kwargs`, will be removed in v6."""
