@@ -482,14 +482,15 @@ def test_no_candidate_data_in_later_sandboxes() -> None:
 def test_a_fork_server_in_an_unknown_state_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
     """An internal failure while a candidate runs: that candidate's tests are errors, its fork
     server is killed (not reused while its sandbox may still run), and the next one is fine."""
-    original = sandbox_judging.JobRun._judge
+    original = sandbox_judging.JobRun._test
 
-    def judge(self, test, ev, wall):
+    def run_test(self, i, test):
+        out = original(self, i, test)  # the candidate's process is alive: its result just came back
         if test.expected == "BOOM":
-            raise RuntimeError("injected judge failure")
-        return original(self, test, ev, wall)
+            raise RuntimeError("injected failure")
+        return out
 
-    monkeypatch.setattr(sandbox_judging.JobRun, "_judge", judge)
+    monkeypatch.setattr(sandbox_judging.JobRun, "_test", run_test)
     with Sandbox(SandboxConfig(workers=1)) as box:
         box._max_zygotes = 1
         box.run([HONEST])

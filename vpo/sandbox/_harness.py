@@ -226,6 +226,8 @@ _SYSCALLS = {
         "process_vm_writev": 311, "kcmp": 312, "finit_module": 313, "kexec_file_load": 320, "bpf": 321,
         "userfaultfd": 323, "clone": 56, "socket": 41, "socketpair": 53, "fcntl": 72, "flock": 73,
         "inotify_init": 253, "inotify_add_watch": 254, "inotify_init1": 294, "fanotify_mark": 301,
+        "mincore": 27, "madvise": 28, "readahead": 187, "fadvise64": 221, "sync": 162, "syncfs": 306,
+        "sync_file_range": 277, "preadv2": 327, "pwritev2": 328, "io_setup": 206, "io_submit": 209,
     },
     "aarch64": {
         "ptrace": 117, "syslog": 116, "personality": 92, "vhangup": 58, "pivot_root": 41, "adjtimex": 171,
@@ -237,12 +239,14 @@ _SYSCALLS = {
         "setns": 268, "process_vm_readv": 270, "process_vm_writev": 271, "kcmp": 272, "finit_module": 273,
         "kexec_file_load": 294, "bpf": 280, "userfaultfd": 282, "clone": 220, "socket": 198, "socketpair": 199,
         "fcntl": 25, "flock": 32, "inotify_init1": 26, "inotify_add_watch": 27, "fanotify_mark": 263,
+        "mincore": 232, "madvise": 233, "readahead": 213, "fadvise64": 223, "sync": 81, "syncfs": 267,
+        "sync_file_range": 84, "preadv2": 286, "pwritev2": 287, "io_setup": 0, "io_submit": 2,
     },
 }
 _COMMON_SYSCALLS = {
     "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427, "open_tree": 428, "move_mount": 429,
     "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433, "clone3": 435, "pidfd_getfd": 438,
-    "process_madvise": 440, "mount_setattr": 442, "quotactl_fd": 443, "open_tree_attr": 467,
+    "process_madvise": 440, "mount_setattr": 442, "quotactl_fd": 443, "cachestat": 451, "open_tree_attr": 467,
 }
 _AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 MACHINE = os.uname().machine
@@ -370,10 +374,18 @@ SECCOMP_DENY = (
     # shared-file channels: a lock or a watch on a file every sandbox sees (a read-only system file,
     # the standard library's __pycache__) would carry information from one sandbox to another
     "flock", "inotify_init", "inotify_init1", "inotify_add_watch", "fanotify_mark",
+    # the page cache of those files: probing which pages are cached, or loading and evicting them
+    # on purpose, would carry information too (see also the madvise and preadv2 rules below); Linux
+    # AIO would bypass the preadv2 rule (RWF_NOWAIT in an iocb)
+    "mincore", "cachestat", "readahead", "fadvise64", "io_setup", "io_submit",
+    # host-wide writeback: forcing it slows every process of the host, a channel and a nuisance
+    "sync", "syncfs", "sync_file_range",
 )
 # fcntl commands refused for the same reason: POSIX and open-file-description record locks (set and
 # query), leases, directory notifications; every other fcntl (F_GETFL, F_DUPFD...) is allowed
 FCNTL_DENY = (5, 6, 7, 36, 37, 38, 1024, 1025, 1026)  # F_GETLK F_SETLK F_SETLKW F_OFD_* F_SETLEASE F_GETLEASE F_NOTIFY
+MADVISE_DENY = (3, 20, 21)  # MADV_WILLNEED (read-ahead of a file mapping), MADV_COLD, MADV_PAGEOUT (eviction)
+RWF_NOWAIT = 0x8  # preadv2/pwritev2 flag: fails instead of waiting when the data is not cached (a cache probe)
 AF_UNIX, AF_INET, AF_INET6, SOCK_STREAM = 1, 2, 10, 1
 _EPERM, _ENOSYS, _EAFNOSUPPORT = 1, 38, 97
 _RET_ALLOW, _RET_ERRNO, _RET_KILL_PROCESS = 0x7FFF0000, 0x00050000, 0x80000000
@@ -386,7 +398,10 @@ def seccomp_program(machine: str = MACHINE) -> list[tuple[int, int, int, int]]:
     with EPERM; ``clone`` with any namespace flag and ``clone3`` (its flags live in memory the
     filter cannot read; libc falls back to ``clone``) are refused; file locks, leases and
     notifications (``flock``, the lock/lease/notify ``fcntl`` commands of ``FCNTL_DENY``,
-    inotify, fanotify) are refused; sockets only for AF_INET and
+    inotify, fanotify) are refused; so are page-cache probes and controls (``mincore``,
+    ``cachestat``, ``readahead``, ``fadvise64``, Linux AIO, ``madvise`` with an advice of
+    ``MADVISE_DENY``, ``preadv2``/``pwritev2`` with ``RWF_NOWAIT``) and host-wide writeback
+    (``sync``, ``syncfs``, ``sync_file_range``); sockets only for AF_INET and
     AF_INET6 (no Unix, netlink, vsock... sockets: no host socket can be reached by path or
     abstract name); ``socketpair`` only as connected AF_UNIX streams (a datagram pair could be
     re-connected to a host socket). Everything else is allowed."""
@@ -417,7 +432,18 @@ def seccomp_program(machine: str = MACHINE) -> list[tuple[int, int, int, int]]:
     emit(_JEQ, nr["socket"], jt="socket")
     emit(_JEQ, nr["socketpair"], jt="socketpair")
     emit(_JEQ, nr["fcntl"], jt="fcntl")
+    emit(_JEQ, nr["madvise"], jt="madvise")
+    emit(_JEQ, nr["preadv2"], jt="rwflags")
+    emit(_JEQ, nr["pwritev2"], jt="rwflags")
     emit(_RET, _RET_ALLOW)
+    label("madvise")
+    emit(_LD_W_ABS, 32)  # args[2]: the advice
+    for advice in MADVISE_DENY:
+        emit(_JEQ, advice, jt="deny")
+    emit(_RET, _RET_ALLOW)
+    label("rwflags")
+    emit(_LD_W_ABS, 56)  # args[5]: the RWF_* flags
+    emit(_JSET, RWF_NOWAIT, jt="deny", jf="allow")
     label("fcntl")
     emit(_LD_W_ABS, 24)  # args[1]: the command
     for cmd in FCNTL_DENY:
@@ -538,7 +564,6 @@ def _interpreter_paths() -> dict:
 
 INTERP: dict = {}
 SLOT: dict = {}  # this fork server's slot: the uid of its sandboxes and the cgroup leaf they join
-NETNS = ["sandbox"]  # "zygote" when this fork server already is in its own empty network namespace
 WORKDIR = [""]  # the work directory of a sandbox without a mount namespace (made and removed by the zygote)
 
 
@@ -724,21 +749,13 @@ def zygote_main(sock_fd: int, namespaces: str = "auto", slot: dict | None = None
         subreaper = True
     except OSError:
         subreaper = False
-    # As root, this fork server moves into an empty network namespace once: its sandboxes (one at
-    # a time) share it instead of each creating and tearing down their own (a costly kernel
-    # operation). Nothing carries over from one to the next: no device but a down loopback, no
-    # capability to configure one, only AF_INET/AF_INET6 sockets (seccomp), all closed when a
-    # sandbox's processes die.
-    if os.geteuid() == 0 and namespaces != "off":
-        try:
-            unshare(CLONE_NEWNET)
-            NETNS[0] = "zygote"
-        except OSError:
-            pass
+    # Every sandbox gets a network namespace of its own (made with its other namespaces): one
+    # shared by a fork server's sandboxes would carry its counters (/proc/net/snmp...) from one
+    # candidate to the next.
     own_pidns = _direct_pid_namespaces() if namespaces != "off" else None
     _warm_up()
     SLOT["joined"] = _join_cgroup()  # after the warm-up: the fork server's own heap stays charged where it was
-    _send_line(sock, {"hello": 1, "pid": os.getpid(), "euid": os.geteuid(), "interp": INTERP, "netns": NETNS[0],
+    _send_line(sock, {"hello": 1, "pid": os.getpid(), "euid": os.geteuid(), "interp": INTERP,
                       "cgroup": SLOT["joined"],
                       "direct": own_pidns is not None,
                       "subreaper": subreaper, "python": sys.version.split()[0], "machine": MACHINE})
@@ -872,7 +889,7 @@ def direct_main(fds: list[int]) -> int:
     except OSError:
         pass
     cfg = _take_payload(fds)
-    flags = CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS | (0 if NETNS[0] == "zygote" else CLONE_NEWNET)
+    flags = CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWNET
     errors = []
     try:
         unshare(flags)
@@ -906,7 +923,7 @@ def sandbox_main(fds: list[int], zpid: int) -> int:
     if ns != "off":
         if os.geteuid() == 0:
             try:
-                unshare(flags & ~CLONE_NEWNET if NETNS[0] == "zygote" else flags)
+                unshare(flags)
                 mode = "root"
             except OSError as exc:
                 errors.append(str(exc))
@@ -1232,13 +1249,12 @@ def child_main(cfg: dict) -> int:
     set_name("vpo-judge" if cfg.get("role") == "judge" else "vpo-sandbox")
     missing: list = []
     prot: dict = {"mode": mode, "role": cfg.get("role", "candidate"), "warnings": [],
-                  "pidns": mode != "none", "netns": mode != "none" or NETNS[0] == "zygote",
-                  "netns_scope": NETNS[0] if mode == "root" or NETNS[0] == "zygote" else ("sandbox" if mode != "none" else None),
+                  "pidns": mode != "none", "netns": mode != "none", "netns_scope": "sandbox" if mode != "none" else None,
                   "view": "host", "exposed": [], "not_exposed": [],
                   "hidden": [], "readonly_root": False, "nodev": False, "private_tmp": False, "private_proc": False,
                   "uid": None, "caps": "?", "nproc_enforced": False, "keyring": None, "seccomp": False,
                   "cgroup": dict(SLOT.get("joined") or {"version": None}), "time": "cpu",
-                  "shared_file_channels": "open", "missing": missing}
+                  "shared_file_channels": "open", "page_cache": "open", "missing": missing}
     # everything not in force is listed; what the configuration accepts by name is filtered below
     if not prot["cgroup"].get("version"):
         missing.append({"what": "cgroup", "why": prot["cgroup"].get("why") or "not joined"})
@@ -1339,6 +1355,9 @@ def child_main(cfg: dict) -> int:
             prot["seccomp_instructions"] = install_seccomp()
             prot["seccomp"] = True
             prot["shared_file_channels"] = "filtered: flock, fcntl locks, leases and notifications, inotify, fanotify"
+            prot["page_cache"] = ("probes and controls refused: mincore, cachestat, readahead, fadvise, AIO, madvise "
+                                  "WILLNEED/COLD/PAGEOUT, preadv2/pwritev2 RWF_NOWAIT; sync, syncfs, sync_file_range "
+                                  "refused; pages read are still shared with the host (timing)")
         except OSError as exc:
             missing.append({"what": "seccomp", "why": f"no seccomp filter: {exc}"})
     else:
@@ -1624,6 +1643,7 @@ class _JudgeRunner:
         self.cap = int(cfg["max_output_bytes"])
         self.commands = _Commands()
         self.raised: str | None = None
+        self.expr_base: dict = {}
         _common_process_setup()
         devnull = os.open("/dev/null", os.O_RDWR)
         for fd in (0, 1, 2):
@@ -1676,6 +1696,10 @@ class _JudgeRunner:
             exec(compile(self.cfg["code"], "check.py", "exec"), ns)  # noqa: S102 - the dataset's test code
             if "__vpo_steps__" in ns:
                 gen = ns["__vpo_steps__"](self._candidate)
+            if self.cfg.get("expr_prelude"):  # the names value expressions take from the job's prelude
+                base = {"__builtins__": builtins}
+                exec(compile(self.cfg["expr_prelude"], "<prelude>", "exec"), base)  # noqa: S102 - the job's prelude
+                self.expr_base = {k: v for k, v in base.items() if not k.startswith("__")}
             err = None
         except _TestTimeout:
             err = "timeout while loading the test code"
@@ -1686,7 +1710,7 @@ class _JudgeRunner:
         if err is not None:
             _send({"ev": "load_error", "msg": err})
             return 0
-        _send({"ev": "loaded"})
+        _send({"ev": "loaded", "names": sorted(self.expr_base)})
         step = 0
         finished = gen is None
         while True:
@@ -1719,7 +1743,11 @@ class _JudgeRunner:
         self.raised = None
         head = {"ev": "value", "k": req.get("k")}
         try:
-            ns = {"__builtins__": builtins, **decode_value(req.get("vals") or {})}
+            ns = {"__builtins__": builtins, **self.expr_base}
+            for name in req.get("mods", ()):  # standard-library modules the expression names: the judge's own
+                if name in sys.stdlib_module_names:
+                    ns[name] = __import__(name)
+            ns.update(decode_value(req.get("vals") or {}))
             ns.update({name: self._proxy(name) for name in req.get("fns", ())})
             value = eval(compile(req["expr"], "<test>", "eval"), ns)
             wire = _json_dumps(encode_value(value), ensure_ascii=True)

@@ -296,6 +296,8 @@ class SandboxConfig:
     stack_mb: int = 64
     max_processes: int = 4  # processes + threads, the main one included (cgroup pids.max and RLIMIT_NPROC)
     cpus: float = 1.0  # CPU quota of one sandbox (cgroup): a candidate's threads cannot take a neighbour's core
+    io_mbps: int | None = 64  # MiB/s read or written on the view's disks, per sandbox (where the cgroup has io)
+    io_iops: int | None = 2000  # and operations per second; None: no io limit
     max_open_files: int = 64
     max_output_bytes: int = 4 << 20  # per test, stdout; also caps file writes and one result message
     max_value_items: int = 1_000_000  # values in one returned result (bounds the parent's decoding)
@@ -328,6 +330,10 @@ class SandboxConfig:
         for name in ("memory_mb", "max_processes", "max_open_files", "max_output_bytes", "max_value_items", "tmp_mb"):
             if not getattr(self, name) >= 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        for name in ("io_mbps", "io_iops"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
         object.__setattr__(self, "hide_paths", tuple(self.hide_paths))
 
 

@@ -55,6 +55,14 @@ _EVENT_SLACK = 1 << 16
 _PROBE = Job("print(input())", (TestCase.stdio("ok", "ok"),))
 
 
+def _view_paths(python: str) -> list[str]:
+    """Where the files a sandbox reads live: the system directories and the interpreter's."""
+    import sysconfig
+
+    here = [sys.prefix, sys.base_prefix, os.path.dirname(os.__file__), sysconfig.get_paths().get("purelib", "")]
+    return [*_harness.SYSTEM_VIEW, os.path.dirname(os.path.realpath(python)), *(p for p in here if p)]
+
+
 class _Zygote:
     """One fork-server process, its control socket, its slot (uid and cgroup leaf)."""
 
@@ -252,6 +260,7 @@ class Sandbox:
         self._hide_defaults = [p for p in default_hide_paths((), cfg.hide_defaults)
                                if not any(_harness._under(p, q) for q in self._hide_required)]
         self._allow = weaker_allowed(cfg)
+        self._io_devices = tuple(cgroups.block_devices(_view_paths(python)))
         self._event_cap = 8 * cfg.max_output_bytes + _EVENT_SLACK
         self.workers = cfg.workers or _usable_cpus()
         self._max_zygotes = 2 * self.workers + 2
@@ -351,11 +360,12 @@ class Sandbox:
         try:
             if self._res.cgroup is not None:
                 nproc = cfg.max_processes + (1 if os.geteuid() == 0 else 2)  # + the fork server (+ the intermediate)
-                limits = cgroups.Limits(cfg.memory_mb << 20, nproc, cfg.cpus)
+                limits = cgroups.Limits(cfg.memory_mb << 20, nproc, cfg.cpus,
+                                        None if cfg.io_mbps is None else cfg.io_mbps << 20, cfg.io_iops, self._io_devices)
                 leaf = self._res.cgroup.leaf(slot, limits)
                 slot_cfg["cgroup"] = {"version": self._res.cgroup.hier.version, "procs": leaf.procs,
                                       "leaf": f"{self._res.cgroup.name}/s{slot}", "memory_bytes": limits.memory_bytes,
-                                      "pids_max": limits.pids, "cpus": limits.cpus}
+                                      "pids_max": limits.pids, "cpus": limits.cpus, "io": leaf.io}
             z = _Zygote(self._argv, cfg.namespaces, slot, slot_cfg, leaf)
         except BaseException:
             self._free_slot(slot)
