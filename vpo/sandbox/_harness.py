@@ -549,6 +549,8 @@ def _interpreter_paths() -> dict:
                                     paths.get("stdlib"), paths.get("platstdlib"), os.path.dirname(os.__file__))}
     interp.discard(None)
     site_dirs = {real_dir(paths.get(k, "")) for k in ("purelib", "platlib")}
+    base = {"base": sys.base_prefix, "platbase": sys.base_exec_prefix}  # a virtualenv's interpreter's own
+    site_dirs |= {real_dir(sysconfig.get_path(k, vars=base) or "") for k in ("purelib", "platlib")}
     try:
         from site import getsitepackages  # importable under -S; not executed at startup
         site_dirs |= {real_dir(p) for p in getsitepackages()}
@@ -1069,10 +1071,11 @@ def _plan_view(cfg: dict, prot: dict) -> tuple[list[str], list[str], list[tuple[
                 raise ValueError(f"cannot hide {h}: the sandbox's interpreter needs {e} inside it")
     covers = []
     hide = list(hidden_all)
-    if not cfg.get("site_packages"):  # installed packages may hold datasets: not part of the view
-        sites = list(INTERP.get("site_dirs", ())) + list(INTERP.get("site_on_path", ()))
-        hide += sites
-        prot["_site_dirs"] = sites
+    # installed packages may hold datasets: not part of the view, but those the interpreter imports
+    # from with site_packages (a virtualenv's base interpreter's, inside its standard library, never)
+    sites = list(INTERP.get("site_dirs", ())) + ([] if cfg.get("site_packages") else list(INTERP.get("site_on_path", ())))
+    hide += sites
+    prot["_site_dirs"] = sites
     for h in hide:
         if any(_under(h, e) for e in exposed_list) and not any(_under(e, h) for e in exposed_list):
             covers.append(h)
@@ -1569,7 +1572,7 @@ class _CandidateRunner:
 
     def _run_value(self, module_ns: dict, req: dict, cpu: float, wall: float) -> tuple[dict, str]:
         self._redirect("")
-        status, err, etype, wire = "ok", "", "", ""
+        status, err, etype, wire, after = "ok", "", "", "", ""
         _arm(cpu, wall)
         t0 = _perf()
         elapsed = 0.0
@@ -1579,6 +1582,8 @@ class _CandidateRunner:
                 args = decode_value(req.get("args", []))
                 kw = decode_value(req["kw"]) if req.get("kw") else {}
                 result = fn(*args, **kw)
+                if req.get("sync"):  # the judge's arguments, as this call left them (in-place tasks)
+                    after = _json_dumps(encode_value([args, kw]), ensure_ascii=True)
             elif req["kind"] == "get":  # plain module-level values an expr test reads (judged elsewhere)
                 result = {}
                 for name in req.get("names", ()):
@@ -1597,13 +1602,14 @@ class _CandidateRunner:
             _disarm()
         if status != "ok":
             elapsed = _perf() - t0
-        elif structure_count(wire) > self.max_items or len(wire) > 4 * self.cap:
+        elif structure_count(wire) + structure_count(after) > self.max_items or len(wire) + len(after) > 4 * self.cap:
             status, etype = "error", "ValueError"
-            err = (f"return value too large to judge ({structure_count(wire)} values, {len(wire)} bytes; "
-                   f"the limits are {self.max_items} values, {4 * self.cap} bytes)")
+            size = len(wire) + len(after)
+            err = (f"return value too large to judge ({structure_count(wire) + structure_count(after)} values, {size} "
+                   f"bytes; the limits are {self.max_items} values, {4 * self.cap} bytes)")
         self._collect()
         msg = {"st": status, "t": elapsed, "err": err, "etype": etype}
-        return msg, ('"val": ' + wire if status == "ok" else "")
+        return msg, ('"val": ' + wire + (', "args": ' + after if after else "") if status == "ok" else "")
 
 
 class _CandidateTimeout(BaseException):
@@ -1655,11 +1661,22 @@ class _JudgeRunner:
             msg["fn"] = fn
         if kwargs:
             msg["kw"] = encode_value(dict(kwargs))
+        sync = _holds_mutable(args) or _holds_mutable(tuple(kwargs.values()))
+        if sync:
+            msg["sync"] = 1
         _send(msg)
         reply = self.commands.read()
         if reply is None:
             raise _JudgeAbort()
         if "val" in reply:
+            if sync and "args" in reply:  # what the call changed in its arguments, as in-process
+                new = decode_value(reply["args"])
+                if type(new) is list and len(new) == 2 and type(new[0]) is list and type(new[1]) is dict:
+                    for old, value in zip(args, new[0]):
+                        _sync_in_place(old, value)
+                    for key, old in kwargs.items():
+                        if key in new[1]:
+                            _sync_in_place(old, new[1][key])
             return decode_value(reply["val"])
         if reply.get("timeout"):
             raise _CandidateTimeout("the candidate timed out")
@@ -1775,6 +1792,50 @@ class _JudgeRunner:
         if isinstance(outcome, AssertionError):
             return {"st": "fail", "err": "assertion failed" + (f": {_describe(outcome)}" if str(outcome) else "")}
         return {"st": "fail", "err": f"the test raised {_describe(outcome)}"}
+
+
+_MUTABLE = (list, dict, set)
+
+
+def _holds_mutable(x: object, depth: int = 0) -> bool:
+    """Whether plain value ``x`` holds a list, dict or set a call could change in place."""
+    t = type(x)
+    if t in _MUTABLE:
+        return True
+    if t is tuple and depth < MAX_DEPTH:
+        return any(_holds_mutable(v, depth + 1) for v in x)
+    return False
+
+
+def _sync_in_place(old: object, new: object, depth: int = 0) -> None:
+    """Make ``old`` (the judge's argument) hold what ``new`` (the same argument after the
+    candidate's call) holds, keeping the identity of every list, dict and set in it: an in-place
+    task (``candidate(a); assert a == ...``) is judged as it is in one process."""
+    if depth > MAX_DEPTH:
+        return
+    t = type(old)
+    if t is list and type(new) is list:
+        for i in range(min(len(old), len(new))):
+            if type(old[i]) in (*_MUTABLE, tuple) and type(old[i]) is type(new[i]):
+                _sync_in_place(old[i], new[i], depth + 1)
+            if type(old[i]) not in _MUTABLE or type(old[i]) is not type(new[i]):
+                old[i] = new[i]
+        del old[len(new):]
+        old.extend(new[len(old):])
+    elif t is dict and type(new) is dict:
+        for key in [k for k in old if k not in new]:
+            del old[key]
+        for key, value in new.items():
+            if key in old and type(old[key]) in _MUTABLE and type(old[key]) is type(value):
+                _sync_in_place(old[key], value, depth + 1)
+            else:
+                old[key] = value
+    elif t is set and type(new) is set:
+        old.clear()
+        old.update(new)
+    elif t is tuple and type(new) is tuple and len(old) == len(new):
+        for a, b in zip(old, new):
+            _sync_in_place(a, b, depth + 1)
 
 
 def _resolve(ns: dict, name: str):

@@ -145,7 +145,7 @@ def values_match(
     float expected value matches within tolerance (also inside containers), NaN equals NaN,
     and a tuple equals a list with the same items (JSON cannot tell them apart). Integers are
     exact: an int expected value needs a number of exactly that value. Sets compare exactly.
-    ``meter`` is told the size of every container compared (judging stops when it raises)."""
+    ``meter`` is told the items compared, a slice at a time (judging stops when it raises)."""
     if depth > 200:
         return False
     if type(expected) is bool or type(actual) is bool:
@@ -163,17 +163,22 @@ def values_match(
             return fe == fa
         return _close(fe, fa, rel_tol, abs_tol)
     if isinstance(expected, (list, tuple)) and isinstance(actual, (list, tuple)):
-        if meter is not None:
-            meter(len(expected))
-        return len(expected) == len(actual) and all(
-            values_match(e, a, rel_tol, abs_tol, depth + 1, meter) for e, a in zip(expected, actual)
-        )
+        if len(expected) != len(actual):
+            return False
+        if meter is None:
+            return all(values_match(e, a, rel_tol, abs_tol, depth + 1) for e, a in zip(expected, actual))
+        for k, (e, a) in enumerate(zip(expected, actual)):
+            if k % _TICK_EVERY == 0:
+                meter(_TICK_EVERY)
+            if not values_match(e, a, rel_tol, abs_tol, depth + 1, meter):
+                return False
+        return True
     if isinstance(expected, dict) and isinstance(actual, dict):
         if len(expected) != len(actual):
             return False
-        if meter is not None:
-            meter(len(expected))
-        for key, value in expected.items():
+        for k, (key, value) in enumerate(expected.items()):
+            if meter is not None and k % _TICK_EVERY == 0:
+                meter(_TICK_EVERY)
             if key not in actual or not values_match(value, actual[key], rel_tol, abs_tol, depth + 1, meter):
                 return False
         return True

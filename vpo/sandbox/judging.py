@@ -226,6 +226,10 @@ class JobRun:
             self.settled += 1
             self.held -= entry.size
             limit = cfg.test_timeout if budget is None else min(cfg.test_timeout, max(budget - self.spent_total, 0.01))
+            if budget is not None and self.spent_total >= budget:  # judged in turn, it would not have run
+                self.results[i] = TestResult(Status.TIMEOUT, 0.0, "not run: the problem's time budget is exhausted")
+                self.entries[i] = None
+                continue
             result, judging = entry.result, 0.0
             if result is None:
                 t0 = time.thread_time()
@@ -237,9 +241,7 @@ class JobRun:
                 if self.budget_left is not None:
                     self.budget_left -= judging
             charge = entry.spent + judging
-            if budget is not None and self.spent_total >= budget:
-                result = TestResult(Status.TIMEOUT, 0.0, "not run: the problem's time budget is exhausted")
-            elif result.status is Status.PASS and charge > limit + cfg.grace:
+            if result.status is Status.PASS and charge > limit + cfg.grace:
                 result = TestResult(Status.TIMEOUT, result.runtime,
                                     f"time limit exceeded: {charge:.2f} s charged (judging its output included)",
                                     result.output)
@@ -634,6 +636,8 @@ class JobRun:
                                "timeout": left, "wall": max(0.01, clock.deadline - time.monotonic() - self.cfg.grace)}
         if ev.get("kw"):
             req["kw"] = ev["kw"]
+        if ev.get("sync"):
+            req["sync"] = 1
         try:
             self._candidate()
         except _Stop as stop:
@@ -644,7 +648,10 @@ class JobRun:
         st = cev.get("st")
         if st == "ok":
             try:  # the judge gets plain data re-encoded here: bounded, whatever the event held
-                return {"val": encode_value(decode_value(cev.get("val")))}, None
+                reply = {"val": encode_value(decode_value(cev.get("val")))}
+                if req.get("sync") and "args" in cev:  # the arguments as the call left them (in-place tasks)
+                    reply["args"] = encode_value(decode_value(cev["args"]))
+                return reply, None
             except _DECODE_ERRORS as exc:
                 detail = f"undecodable return value: {exc}"[:500]
                 self._drop_candidate(kill=True)
