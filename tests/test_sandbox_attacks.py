@@ -26,7 +26,8 @@ from tests.sandbox_hostile import forge as forge_bytes
 from vpo.sandbox import Job, Sandbox, SandboxConfig, SandboxError, Status, TestCase
 from vpo.sandbox import judging as sandbox_judging
 
-pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="the sandbox needs Linux")
+pytestmark = [pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="the sandbox needs Linux"),
+              pytest.mark.sandbox]
 
 CONFIG = SandboxConfig(test_timeout=1.0, load_timeout=2.0, grace=0.3, memory_mb=512, max_processes=4,
                        max_output_bytes=256 << 10, workers=2)
