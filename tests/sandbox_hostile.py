@@ -481,20 +481,26 @@ def _fresh_counters(r: CandidateResult) -> str | None:
 
 
 _ORACLE_N = 300_000  # numeric tokens: judging a passing output parses each (a failing one stops at the first)
+_ORACLE_PAIRS = 5
 _ORACLE_OUT = " ".join(["+1"] * _ORACLE_N)
 _ORACLE_PASS, _ORACLE_FAIL = " ".join(["1"] * _ORACLE_N), " ".join(["2"] + ["1"] * (_ORACLE_N - 1))
+# the gap before each run, less the time this process itself waited for a CPU meanwhile (what an
+# attacker would subtract to hear the parent through a busy machine)
 _ORACLE = f"""
 import json, os, time
-now, k = time.perf_counter(), int(input())
+def clock():
+    with open('/proc/self/schedstat') as fh:
+        return time.perf_counter() - int(fh.read().split()[1]) / 1e9
+now, k = clock(), int(input())
 gaps = json.load(open('gaps')) if os.path.exists('gaps') else []
 if k:
     gaps.append(now - json.load(open('last')))
-if k == 6:
+if k == {2 * _ORACLE_PAIRS}:
     print(json.dumps(gaps))
 else:
     print(' '.join(['+1'] * {_ORACLE_N}))
     json.dump(gaps, open('gaps', 'w'))
-    json.dump(time.perf_counter(), open('last', 'w'))
+    json.dump(clock(), open('last', 'w'))
 """
 
 
@@ -509,17 +515,18 @@ def _judging_cost() -> float:
 
 
 def _no_verdict_in_gaps(r: CandidateResult) -> str | None:
-    """Tests 0, 2, 4 pass (judging parses every number), 1, 3, 5 fail at the first token; the
+    """Even tests pass (judging parses every number), odd ones fail at the first token; the
     program timed the gap before each next run (its process keeps its files between tests).
-    Contained when the gaps after a pass exceed those after a fail by less than half of what
-    judging a pass costs."""
-    if r.passed[:6] != [True, False] * 3:
+    Contained when the median gap after a pass exceeds the median after a fail by less than half
+    of what judging a pass costs."""
+    n = 2 * _ORACLE_PAIRS
+    if r.passed[:n] != [True, False] * _ORACLE_PAIRS:
         return f"unexpected verdicts {r.passed}"
     try:
-        gaps = json.loads(r.tests[6].output)
+        gaps = json.loads(r.tests[n].output)
     except ValueError:
-        return f"no gaps: {r.tests[6].status.value} {r.tests[6].detail[:80]}"
-    after_pass, after_fail = statistics.mean(gaps[0::2]), statistics.mean(gaps[1::2])
+        return f"no gaps: {r.tests[n].status.value} {r.tests[n].detail[:80]}"
+    after_pass, after_fail = statistics.median(gaps[0::2]), statistics.median(gaps[1::2])
     cost = _judging_cost()
     if after_pass - after_fail >= cost / 2:
         return f"gap after a pass {after_pass * 1000:.0f} ms, after a fail {after_fail * 1000:.0f} ms (judging: {cost * 1000:.0f} ms)"
@@ -629,8 +636,8 @@ HOSTILE += [
     Hostile("host_writeback", _job(_PROBES.format(nr=_NR, body=_WRITEBACK), _t(0)), _all_refused),
     # --- a candidate learns nothing of how its previous call was judged
     Hostile("verdict_oracle_gaps", Job(_ORACLE, tuple(TestCase.stdio(str(k), _ORACLE_FAIL if k % 2 else _ORACLE_PASS)
-                                                      for k in range(6)) + (TestCase.stdio("6", "?"),)),
-            _no_verdict_in_gaps),
+                                                      for k in range(2 * _ORACLE_PAIRS))
+                                           + (TestCase.stdio(str(2 * _ORACLE_PAIRS), "?"),)), _no_verdict_in_gaps),
     # --- installed packages' copies of a benchmark are not part of the view
     Hostile("site_benchmark_payload_read", _job(_SITE_READ, _t(0)), _nothing_found, group="site"),
     Hostile("site_benchmark_payload_search", _job(_SITE_SEARCH, _t(0)),
