@@ -31,13 +31,13 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any, Protocol
 
 from vpo.sandbox._harness import CodecError, decode_value, encode_value
 from vpo.sandbox.channel import DEAD, LATE, OVER, Clock, ForkServer, Pool, Proc, Violation, ZygoteDied
-from vpo.sandbox.compare import OverBudget, judge_value, render_value, stdout_verdict
+from vpo.sandbox.compare import Meter, OverBudget, judge_value, render_value, stdout_verdict
 from vpo.sandbox.config import (
     CandidateResult,
     Job,
@@ -127,12 +127,12 @@ class _Entry:
 
     __slots__ = ("judge", "proc", "result", "size", "spent")
 
-    def __init__(self, result: TestResult | None = None, judge: Any = None, proc: Proc | None = None,
-                 size: int = 0) -> None:
+    def __init__(self, result: TestResult | None = None, judge: Callable[[Meter], TestResult] | None = None,
+                 proc: Proc | None = None, size: int = 0) -> None:
         self.result, self.judge, self.proc, self.size, self.spent = result, judge, proc, size, 0.0
 
 
-def _meter(allowance: float) -> Any:
+def _meter(allowance: float) -> Meter:
     """A judging meter: raises OverBudget once this thread has spent ``allowance`` CPU seconds
     since it was made (read every ``_METER_EVERY`` units of work)."""
     end = time.thread_time() + allowance
@@ -232,6 +232,7 @@ class JobRun:
                 continue
             result, judging = entry.result, 0.0
             if result is None:
+                assert entry.judge is not None
                 t0 = time.thread_time()
                 try:
                     result = entry.judge(_meter(max(0.0, limit + cfg.grace - entry.spent)))
@@ -494,7 +495,7 @@ class JobRun:
             return _Entry(self._judge(test, ev, wall), proc=proc)
         return _Entry(judge=functools.partial(self._judge, test, ev, wall), proc=proc, size=proc.last_size)
 
-    def _judge(self, test: TestCase, ev: Mapping[str, Any], wall: float, meter: Any = None) -> TestResult:
+    def _judge(self, test: TestCase, ev: Mapping[str, Any], wall: float, meter: Meter | None = None) -> TestResult:
         """The verdict of one result event; total: whatever the event holds, a TestResult (but
         the meter's OverBudget, which stops judging)."""
         c = self.cfg
@@ -515,7 +516,7 @@ class JobRun:
             return TestResult(Status.FAIL if why else Status.PASS, runtime, why or "", render_value(out))
         return self._judge_value(test, ev.get("val"), runtime, meter)
 
-    def _judge_value(self, test: TestCase, wire: Any, runtime: float, meter: Any = None) -> TestResult:
+    def _judge_value(self, test: TestCase, wire: Any, runtime: float, meter: Meter | None = None) -> TestResult:
         try:
             value = decode_value(wire)
         except _DECODE_ERRORS as exc:

@@ -62,23 +62,16 @@ _SITE_QUERY = ("import json, site, sysconfig\nd = set(site.getsitepackages())\n"
 
 
 def _site_dirs(python: str) -> list[str]:
-    """The site-packages directories of interpreter ``python`` (asked once per process)."""
-    key = os.path.realpath(python)
-    if key not in _SITE_DIRS:
-        if key == os.path.realpath(sys.executable):
-            import site
-            import sysconfig
-
-            dirs = {*site.getsitepackages(), *(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))}
-            _SITE_DIRS[key] = sorted(dirs)
-        else:
-            try:
-                out = subprocess.run([python, "-I", "-c", _SITE_QUERY], capture_output=True, text=True, check=True,
-                                     timeout=60, cwd="/").stdout
-                _SITE_DIRS[key] = [str(d) for d in json.loads(out)]
-            except (OSError, subprocess.SubprocessError, ValueError) as exc:
-                raise SandboxError(f"cannot ask {python} for its site-packages directories: {exc}") from None
-    return _SITE_DIRS[key]
+    """The site-packages directories of interpreter ``python``, as it reports them itself (once
+    per process and interpreter)."""
+    if python not in _SITE_DIRS:
+        try:
+            out = subprocess.run([python, "-I", "-c", _SITE_QUERY], capture_output=True, text=True, check=True,
+                                 timeout=60, cwd="/").stdout
+            _SITE_DIRS[python] = [str(d) for d in json.loads(out)]
+        except (OSError, subprocess.SubprocessError, ValueError) as exc:
+            raise SandboxError(f"cannot ask {python} for its site-packages directories: {exc}") from None
+    return _SITE_DIRS[python]
 
 
 def _view_paths(python: str) -> list[str]:
