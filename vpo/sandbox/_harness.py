@@ -436,19 +436,19 @@ def seccomp_program(machine: str = MACHINE) -> list[tuple[int, int, int, int]]:
     emit(_JEQ, nr["preadv2"], jt="rwflags")
     emit(_JEQ, nr["pwritev2"], jt="rwflags")
     emit(_RET, _RET_ALLOW)
-    label("madvise")
-    emit(_LD_W_ABS, 32)  # args[2]: the advice
-    for advice in MADVISE_DENY:
-        emit(_JEQ, advice, jt="deny")
-    emit(_RET, _RET_ALLOW)
+
+    def deny_values(name: str, offset: int, values: tuple[int, ...]) -> None:
+        label(name)
+        emit(_LD_W_ABS, offset)
+        for value in values:
+            emit(_JEQ, value, jt="deny")
+        emit(_RET, _RET_ALLOW)
+
+    deny_values("madvise", 32, MADVISE_DENY)  # args[2]: the advice
+    deny_values("fcntl", 24, FCNTL_DENY)  # args[1]: the command
     label("rwflags")
     emit(_LD_W_ABS, 56)  # args[5]: the RWF_* flags
     emit(_JSET, RWF_NOWAIT, jt="deny", jf="allow")
-    label("fcntl")
-    emit(_LD_W_ABS, 24)  # args[1]: the command
-    for cmd in FCNTL_DENY:
-        emit(_JEQ, cmd, jt="deny")
-    emit(_RET, _RET_ALLOW)
     label("clone")
     emit(_LD_W_ABS, 16)  # args[0] (low 32 bits): clone flags
     emit(_JSET, CLONE_NEW_ANY, jt="deny", jf="allow")
