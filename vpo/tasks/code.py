@@ -81,6 +81,8 @@ class SandboxParams(TypedDict, total=False):
     stack_mb: int
     max_processes: int
     cpus: float
+    io_mbps: int | None
+    io_iops: int | None
     max_open_files: int
     max_output_bytes: int
     max_value_items: int
