@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any, Self, TextIO
 
 __all__ = ["PLAIN_BAR_INTERVAL_S", "Bar", "command", "current_stage", "detail", "format_numbers", "interrupted",
-           "log", "log_file", "progress", "quiet_libraries", "relay", "session", "stage_done", "stage_started",
-           "table", "warning_count"]
+           "last_log_file", "log", "log_file", "progress", "quiet_libraries", "relay", "session", "shown_path",
+           "stage_done", "stage_started", "table", "tool", "warning_count"]
 
 PREFIX = "[vpo]"
 PLAIN_BAR_INTERVAL_S = 10.0
@@ -48,6 +48,7 @@ class _State:
         self.stage: str | None = None
         self.warnings = 0
         self.bar_open = False
+        self.last_path: Path | None = None
 
 
 _S = _State()
@@ -126,6 +127,23 @@ def command(*words: str) -> str:
     return " ".join([head, *(shlex.quote(w) for w in words)])
 
 
+def tool(name: str, *words: str) -> str:
+    """A command of a tool installed beside this interpreter (``dvc``, ``prefect``, ``gto``) that runs as
+    printed from the current folder with no virtualenv activated: ``.venv/bin/dvc push`` in a checkout."""
+    exe = Path(sys.executable).with_name(name)
+    head = shown_path(exe) if exe.is_file() else name
+    return " ".join([shlex.quote(head), *(shlex.quote(w) for w in words)])
+
+
+def shown_path(path: str | os.PathLike[str]) -> str:
+    """``path`` relative to the current folder when it is inside it, else absolute."""
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:
+        return str(path)
+    return str(path) if rel.startswith("..") else rel
+
+
 def stage_started(label: str, why: str, verb: str = "running") -> None:
     """``[vpo] <label>: <why>; <verb>``: the one line a stage prints when it starts."""
     _S.stage = label
@@ -146,6 +164,11 @@ def current_stage() -> str | None:
 def log_file() -> Path | None:
     """The open session's log file."""
     return _S.path
+
+
+def last_log_file() -> Path | None:
+    """The log file of the session open now, else of the last one this process opened."""
+    return _S.path or _S.last_path
 
 
 def warning_count() -> int:
@@ -308,7 +331,9 @@ class _CountingHandler(logging.Handler):
 
 def quiet_libraries() -> None:
     """Switch off the progress bars libraries draw for every model load and save (weights loading,
-    shard writing, dataset maps); our own bars say what is going on."""
+    shard writing, dataset maps); our own bars say what is going on. Called when a stage that loads
+    models starts (:meth:`vpo.pipeline.graph.Stage.run`), not when a session opens: a command that
+    finds every stage up to date imports no ML library for it."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     if "transformers" in sys.modules or _importable("transformers"):
         from transformers.utils import logging as tlog
@@ -340,7 +365,7 @@ def session(path: Path | None, *, defer_tables: bool = False) -> Iterator[Path |
     path.parent.mkdir(parents=True, exist_ok=True)
     fh = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed below)
     old_out, old_err = sys.stdout, sys.stderr
-    _S.file, _S.path, _S.console = fh, path, old_out
+    _S.file, _S.path, _S.console, _S.last_path = fh, path, old_out, path
     _S.defer_tables, _S.warnings, _S.stage = defer_tables, 0, None
     root = logging.getLogger()
     old_level = root.level
@@ -361,7 +386,6 @@ def session(path: Path | None, *, defer_tables: bool = False) -> Iterator[Path |
     sys.stdout, sys.stderr = _Tee(old_out), _Tee(old_err)
     fh.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(sys.argv)}\n")
     try:
-        quiet_libraries()
         yield path
     except Exception:  # the traceback goes to the file too (the console gets it from the interpreter)
         fh.write(traceback.format_exc())

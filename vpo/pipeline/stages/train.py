@@ -44,15 +44,13 @@ from vpo.pipeline.context import StageContext
 from vpo.pipeline.errors import StageError
 from vpo.pipeline.inputs import load_rows, stage_command
 from vpo.pipeline.plan import check_plan
+from vpo.pipeline.processes import CHILD_ENV
 from vpo.pipeline.settings import batch_plan, peft_config, vpo_config_kwargs
 from vpo.pipeline.state import read_state, why_stale, write_state
 from vpo.rewards import VectorReward
 
 __all__ = ["CHILD_ENV", "HEADLINE", "ConsoleProgressCallback", "HarmlessMissingKeysFilter", "ProgressFileCallback",
            "headline", "run"]
-
-CHILD_ENV = "VPO_TRAIN_LAUNCHED"
-"""Set in processes started by ``accelerate launch`` for this stage: they train, nothing else."""
 
 REQUEST_FILE = "request.json"
 
