@@ -19,9 +19,10 @@ from typing import Any
 
 import yaml
 
+from vpo.pipeline.console import tool
 from vpo.pipeline.registry.entries import Entry, RegistryError
 
-__all__ = ["assign", "fetch_with_dvc", "git_root", "git_state", "gto_state", "tag_version", "unversioned_because"]
+__all__ = ["GTORefused", "assign", "fetch_with_dvc", "git_root", "git_state", "gto_state", "tag_version", "unversioned_because"]
 
 _MESSAGE = re.compile(r"vpo (\S+) (\S+): content sha256 ([0-9a-f]{64})")  # what tag_version writes
 
@@ -128,14 +129,28 @@ def tag_version(root: Path, entry: Entry, rev: str) -> str:
 
 
 def assign(root: Path, entry: Entry, stage: str, *, remove: bool = False) -> None:
-    """Assign (or unassign) GTO stage ``stage`` to the entry's version."""
+    """Assign GTO stage ``stage`` to the entry's version, or (``remove``) unassign it the GTO way: a
+    ``<artifact>#<stage>!#N`` tag, after which ``gto show`` no longer lists the stage. GTO refusing the
+    request is a :class:`RegistryError`; git refusing to write the tag is one too, worded by
+    :func:`_gto_error` (the caller may keep the stage in the registry's own record instead)."""
     from gto.api import assign as gto_assign
     from gto.api import unassign
+    from gto.exceptions import GTOException
 
     try:
-        (unassign if remove else gto_assign)(str(root), entry.artifact, stage, version=entry.version)
-    except Exception as exc:  # noqa: BLE001
+        if remove:
+            unassign(str(root), entry.artifact, version=entry.version, stage=stage)
+        else:
+            gto_assign(str(root), entry.artifact, stage, version=entry.version)
+    except GTOException as exc:
+        raise GTORefused(f"GTO refused to {'unassign' if remove else 'assign'} stage {stage} of {entry.artifact} "
+                         f"{entry.version} ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0]})") from None
+    except Exception as exc:  # noqa: BLE001 - git and scmrepo raise many types (identity, permissions, refs)
         raise _gto_error(exc) from None
+
+
+class GTORefused(RegistryError):
+    """GTO itself refused a request (not git failing to write a tag): nothing to fall back to."""
 
 
 def fetch_with_dvc(root: Path, entry: Entry, dest: Path) -> str:
@@ -158,7 +173,7 @@ def fetch_with_dvc(root: Path, entry: Entry, dest: Path) -> str:
             repo.cloud.pull(missing)
         if lost := [f.path for f in entry.files if not odb.exists(f.md5)]:
             raise RegistryError(f"{entry.label}: {', '.join(lost)} not in the DVC cache or remote; record the run "
-                                "with `dvc commit` and `dvc push` it (the flow does both)")
+                                f"with `{tool('dvc', 'commit')}` and `{tool('dvc', 'push')}` it (the flow does both)")
         for f in entry.files:
             shutil.copyfile(odb.oid_to_path(f.md5), dest / f.path)
     return "the DVC cache and remote (by md5)"
