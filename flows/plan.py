@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from vpo.pipeline.config import PipelineConfig, load_pipeline, settings_digest, variant_settings
+from vpo.pipeline.console import command
 from vpo.pipeline.dvcrecord import declared_stages
 from vpo.pipeline.execution import Slot, execution_plan
 from vpo.pipeline.graph import plan
@@ -137,7 +138,7 @@ def make_plan(pipeline: str = "route", quick: bool = False, config: str | os.Pat
         if len(missing) < len(wanted) and missing:
             raise RuntimeError(
                 f"{dvc_yaml} is stale for pipeline {cfg.name!r}: it lacks stages {missing}; "
-                f"run `vpo dvc` and commit dvc.yaml and params.yaml"
+                f"run `{command('dvc')}` and commit dvc.yaml and params.yaml"
             )
         if not missing and overrides:
             note = ("overrides " + ", ".join(f"{k}={v!r}" for k, v in overrides.items()) + " change settings "

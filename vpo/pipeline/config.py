@@ -1342,12 +1342,18 @@ def load_variant(variant: str, params_path: str | os.PathLike[str] = PARAMS_FILE
     if generated != settings_digest(variant_settings(pipeline)):
         raise ConfigError(loaded.path, variant, [("generated_from", (
             f"{loaded.path.name} was generated from another version of {source.name}'s pipeline {name!r}; "
-            f"regenerate it (and dvc.yaml) with `vpo dvc` so DVC stages run what {source.name} says"))])
+            f"regenerate it (and dvc.yaml) with `{_command('dvc')}` so DVC stages run what {source.name} says"))])
     entry = _join_runs(entry, loaded, variant)
     cfg = _validate(loaded, name, {**entry, "description": pipeline.description}, "params", line_prefix=[variant])
     cfg._quick = quick
     cfg._cli = ("--params", str(loaded.path), "--variant", variant, "--config", str(source.resolve()))
     return apply_overrides(cfg, overrides) if overrides else cfg
+
+
+def _command(*words: str) -> str:
+    from vpo.pipeline.console import command
+
+    return command(*words)
 
 
 def pipeline_names(path: str | os.PathLike[str] = DEFAULT_PATH) -> list[str]:

@@ -41,6 +41,7 @@ from vpo.memory_plan import (
 )
 from vpo.pipeline.config import PipelineConfig
 from vpo.pipeline.errors import StageError
+from vpo.pipeline.inputs import stage_command
 from vpo.pipeline.layout import ArmRun, RunLayout
 
 __all__ = ["MODEL_CONFIGS", "PLAN_ENV", "arm_plan", "check_plan", "local_device", "model_shape", "parallel_of",
@@ -115,7 +116,7 @@ def model_shape(cfg: PipelineConfig, layout: RunLayout | None = None) -> tuple[M
         imported = layout.model_cache(f"{Path(name).stem}-{m.dtype}") / "config.json"
         path = imported if imported.is_file() else shipped_config(name)
         if path is None:
-            raise StageError(f"no config.json for GGUF model {name!r}: run `vpo stage base` once (it imports the "
+            raise StageError(f"no config.json for GGUF model {name!r}: run `{stage_command(cfg, 'base')}` once (it imports the "
                              f"file) or add its config to {MODEL_CONFIGS}")
         config, source = _read_config(path), str(path)
     shape = ModelShape.from_config(config, name=str(m.path_or_id or (m.gguf and (m.gguf.file or m.gguf.path))
