@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Self, TextIO
 
 __all__ = ["PLAIN_BAR_INTERVAL_S", "Bar", "command", "current_stage", "detail", "format_numbers", "interrupted",
-           "last_log_file", "log", "log_file", "progress", "quiet_libraries", "relay", "session", "shown_path",
+           "last_log_file", "log", "log_file", "mean_std", "progress", "quiet_libraries", "relay", "session", "shown_path",
            "stage_done", "stage_started", "table", "tool", "warning_count"]
 
 PREFIX = "[vpo]"
@@ -48,6 +48,7 @@ class _State:
         self.stage: str | None = None
         self.warnings = 0
         self.bar_open = False
+        self.live_bar: Any = None  # the tqdm bar drawn on the terminal now, redrawn below other lines
         self.last_path: Path | None = None
 
 
@@ -67,10 +68,16 @@ def _to_file(text: str) -> None:
 
 
 def _to_console(text: str) -> None:
+    """A line on the console; a bar being drawn in place is cleared first and drawn again below it
+    (the line would otherwise start where the bar ends)."""
     with _WRITE:
-        out = _out()
+        out, bar = _out(), _S.live_bar
+        if bar is not None:
+            bar.clear()
         out.write(text if text.endswith("\n") else text + "\n")
         out.flush()
+        if bar is not None:
+            bar.refresh()
 
 
 def log(msg: str) -> None:
@@ -101,6 +108,7 @@ def table(text: str) -> None:
 def interrupted(how_to_resume: str, why: str = "interrupted") -> None:
     """The one line a Ctrl-C (or SIGTERM: ``why`` "stopped by SIGTERM") prints, after ending a
     half-drawn bar."""
+    _S.live_bar = None  # the bar stops where it is: the line goes below it
     if _S.bar_open:
         _to_console("")
     where = f" during {_S.stage}" if _S.stage else ""
@@ -189,6 +197,11 @@ def format_numbers(numbers: Mapping[str, float | None]) -> str:
     return "  ".join(parts)
 
 
+def mean_std(value: Mapping[str, float], runs: int) -> str:
+    """``0.412 ± 0.019`` over several runs; ``0.412`` for one run, whose spread is no number at all."""
+    return f"{value['mean']:.3f}" + (f" ± {value['std']:.3f}" if runs > 1 else "")
+
+
 class Bar:
     """One progress bar: a redrawn tqdm bar on a terminal, plain lines elsewhere. ``update`` moves it,
     ``numbers`` sets what it shows beside the count; ``close`` prints its last state once more in
@@ -209,6 +222,7 @@ class Bar:
             self._tqdm = _tqdm_class()(total=self.total, initial=self.n, desc=desc, unit=unit, file=out, leave=True,
                                        dynamic_ncols=True, bar_format="{desc}: {percentage:3.0f}%|{bar:20}| "
                                        "{n_fmt}/{total_fmt} [{elapsed}<{remaining}]  {numbers}")
+            _S.live_bar = self._tqdm
         _S.bar_open = True
 
     def _postfix(self) -> str:
@@ -256,6 +270,8 @@ class Bar:
         self._closed = True
         _S.bar_open = False
         if self._tqdm is not None:
+            if _S.live_bar is self._tqdm:
+                _S.live_bar = None
             self._tqdm.close()
         else:
             _to_console(self.line())
