@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -153,73 +153,59 @@ def _stopped(cmd: Command, sig: int, lived: float, name: str) -> str:
     return lines[0]
 
 
-def test_vpo_run_stops_within_seconds_of_sigterm(folder: Path, tmp_path: Path) -> None:
-    cmd = Command(["run", "--quick", *TRAINING], folder, _env(tmp_path))
+def _stop_in_training(args: list[str], folder: Path, env: dict[str, str], sig: int,
+                      first: Callable[[Command], object] | None = None) -> tuple[str, Command]:
+    """Start `vpo ARGS`, (``first``, then) wait for a training run, send ``sig``: the command's one stop
+    line, after the checks every stop shares (:func:`_stopped`)."""
+    cmd = Command(args, folder, env)
     try:
+        if first is not None:
+            first(cmd)
         cmd.wait_for_training()
-        lived = cmd.stop_with(signal.SIGTERM)
-        line = _stopped(cmd, signal.SIGTERM, lived, "vpo run")
-        assert "again to resume" in line
+        lived = cmd.stop_with(sig)
+        return _stopped(cmd, sig, lived, f"vpo {args[0]}"), cmd
     finally:
         cmd.close()
+
+
+def test_vpo_run_stops_within_seconds_of_sigterm(folder: Path, tmp_path: Path) -> None:
+    line, _ = _stop_in_training(["run", "--quick", *TRAINING], folder, _env(tmp_path), signal.SIGTERM)
+    assert "again to resume" in line
 
 
 def test_vpo_flow_stops_its_stages_and_prefects_temporary_server_on_sigterm(folder: Path, tmp_path: Path) -> None:
     """Prefect's flow engine replaces the command's SIGTERM handler while the flow runs: the stage
     processes must stop all the same, at once, not when the training ends."""
-    cmd = Command(["flow", "--quick", *TRAINING], folder, _env(tmp_path))
-    try:
-        cmd.wait_for_training()
-        assert cmd.watch.matching("uvicorn"), cmd.watch.seen  # Prefect's temporary server
-        lived = cmd.stop_with(signal.SIGTERM)
-        line = _stopped(cmd, signal.SIGTERM, lived, "vpo flow")
-        assert "the running stages and Prefect's temporary server were stopped" in line
-    finally:
-        cmd.close()
+    line, cmd = _stop_in_training(["flow", "--quick", *TRAINING], folder, _env(tmp_path), signal.SIGTERM)
+    assert "the running stages and Prefect's temporary server were stopped" in line
+    assert cmd.watch.matching("uvicorn"), cmd.watch.seen  # Prefect's temporary server ran, and is gone
 
 
 def test_vpo_flow_on_ctrl_c_leaves_a_server_it_did_not_start(folder: Path, tmp_path: Path, outside_server: Any) -> None:
     from flows.server import healthy
 
-    cmd = Command(["flow", "--quick", *TRAINING], folder, _env(tmp_path, outside_server.api_url))
-    try:
-        cmd.wait_for_training()
-        lived = cmd.stop_with(signal.SIGINT)
-        line = _stopped(cmd, signal.SIGINT, lived, "vpo flow")
-        assert f"the Prefect server at {outside_server.api_url} is not this command's: left running" in line
-    finally:
-        cmd.close()
-    assert healthy(outside_server.api_url)
+    api = outside_server.api_url
+    line, _ = _stop_in_training(["flow", "--quick", *TRAINING], folder, _env(tmp_path, api), signal.SIGINT)
+    assert f"the Prefect server at {api} is not this command's: left running" in line
+    assert healthy(api)
 
 
 def test_vpo_ui_stops_its_server_and_stages_on_sigterm(folder: Path, tmp_path: Path) -> None:
     from flows.server import healthy
 
     port = _free_port()
-    cmd = Command(["ui", "--quick", "--port", str(port), *TRAINING], folder, _env(tmp_path))
-    try:
-        cmd.wait_for_training()
-        assert cmd.watch.matching("server start"), cmd.watch.seen
-        lived = cmd.stop_with(signal.SIGTERM)
-        line = _stopped(cmd, signal.SIGTERM, lived, "vpo ui")
-        assert "the local Prefect server and the running stage were stopped" in line
-    finally:
-        cmd.close()
-    assert not healthy(f"http://127.0.0.1:{port}/api")
+    line, cmd = _stop_in_training(["ui", "--quick", "--port", str(port), *TRAINING], folder, _env(tmp_path),
+                                  signal.SIGTERM)
+    assert "the local Prefect server and the running stage were stopped" in line
+    assert cmd.watch.matching("server start") and not healthy(f"http://127.0.0.1:{port}/api")
 
 
 def test_vpo_ui_on_ctrl_c_leaves_the_server_it_reused(folder: Path, tmp_path: Path, outside_server: Any) -> None:
     from flows.server import healthy
 
-    cmd = Command(["ui", "--quick", "--port", str(outside_server.port), *TRAINING], folder, _env(tmp_path))
-    try:
-        cmd.wait_for("reusing the Prefect server")
-        cmd.wait_for_training()
-        lived = cmd.stop_with(signal.SIGINT)
-        line = _stopped(cmd, signal.SIGINT, lived, "vpo ui")
-        assert f"the Prefect server at {outside_server.url} was left running (this command did not start it)" in line
-    finally:
-        cmd.close()
+    line, _ = _stop_in_training(["ui", "--quick", "--port", str(outside_server.port), *TRAINING], folder,
+                                _env(tmp_path), signal.SIGINT, lambda cmd: cmd.wait_for("reusing the Prefect server"))
+    assert f"the Prefect server at {outside_server.url} was left running (this command did not start it)" in line
     assert healthy(outside_server.api_url)
 
 
@@ -256,19 +242,15 @@ def test_vpo_serve_cancels_its_running_flow_run_and_stops_its_server_on_sigterm(
 
     port = _free_port()
     api = f"http://127.0.0.1:{port}/api"
-    cmd = Command(["serve", "--quick", "--port", str(port), "--cron", "0 4 * * *", *TRAINING], folder,
-                  _env(tmp_path))
-    try:
+
+    def serving(cmd: Command) -> None:
         cmd.wait_for("[vpo] serving deployment retrain/nightly")
         _start_a_run(api)
-        cmd.wait_for_training()
-        lived = cmd.stop_with(signal.SIGTERM)
-        line = _stopped(cmd, signal.SIGTERM, lived, "vpo serve")
-        assert "runs were cancelled and its schedule paused; the local Prefect server was stopped" in line
-    finally:
-        cmd.close()
-    assert not healthy(api)
-    assert "coroutine" not in cmd.output and "never awaited" not in cmd.output
+
+    line, cmd = _stop_in_training(["serve", "--quick", "--port", str(port), "--cron", "0 4 * * *", *TRAINING],
+                                  folder, _env(tmp_path), signal.SIGTERM, serving)
+    assert "runs were cancelled and its schedule paused; the local Prefect server was stopped" in line
+    assert not healthy(api) and "never awaited" not in cmd.output
 
 
 def test_vpo_serve_on_ctrl_c_cancels_the_run_and_leaves_a_server_it_did_not_start(
@@ -276,15 +258,13 @@ def test_vpo_serve_on_ctrl_c_cancels_the_run_and_leaves_a_server_it_did_not_star
     from flows.server import healthy
 
     api = outside_server.api_url
-    cmd = Command(["serve", "--quick", "--cron", "0 4 * * *", *TRAINING], folder, _env(tmp_path, api))
-    try:
+    runs: list[Any] = []
+
+    def serving(cmd: Command) -> None:
         cmd.wait_for("[vpo] serving deployment retrain/nightly")
-        run = _start_a_run(api)
-        cmd.wait_for_training()
-        lived = cmd.stop_with(signal.SIGINT)
-        line = _stopped(cmd, signal.SIGINT, lived, "vpo serve")
-        assert f"the Prefect server at {api} is not this command's: left running" in line
-    finally:
-        cmd.close()
-    assert healthy(api)
-    assert _run_state(api, run) == "CANCELLED"
+        runs.append(_start_a_run(api))
+
+    line, _ = _stop_in_training(["serve", "--quick", "--cron", "0 4 * * *", *TRAINING], folder, _env(tmp_path, api),
+                                signal.SIGINT, serving)
+    assert f"the Prefect server at {api} is not this command's: left running" in line
+    assert healthy(api) and _run_state(api, runs[0]) == "CANCELLED"
