@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from vpo.pipeline.console import command
 from vpo.pipeline.registry import DEFAULT_METRIC, Entry, Registry, RegistryError, RegistryInputError
 from vpo.pipeline.registry.entries import best, latest, metric_value, select, settings_that_differ
 from vpo.pipeline.storage import StorageError, configure_dvc_remote, redact
@@ -110,7 +111,7 @@ def _ensure_remote(reg: Registry, remote: tuple[str, str] | None) -> None:
 def _missing(reg: Registry, source: str, entries: list[Entry]) -> RegistryInputError:
     """The error for a registry URL with nothing behind it (mistyped, or never written to)."""
     tagged = sum(e.tag_only for e in entries)
-    tags = (f"; the repository's git tags record {tagged} model versions, which `vpo registry fetch "
+    tags = (f"; the repository's git tags record {tagged} model versions, which `{command('registry', 'fetch')} "
             "<artifact>@<version> DEST` gets without a registry" if tagged else "")
     return RegistryInputError(f"registry {redact(reg.store.url)} ({source}) does not exist: nothing is at that "
                               f"path; check the URL{tags}")
