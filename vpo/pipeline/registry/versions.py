@@ -10,6 +10,7 @@ unversioned one from DVC's cache or remote by each file's md5.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import shutil
 import subprocess
@@ -73,7 +74,7 @@ def unversioned_because(root: Path | None, path: str | None) -> str | None:
     text = _git(root, "show", "HEAD:./dvc.lock")
     if text is None:
         return "HEAD has no committed dvc.lock"
-    outs = [o for st in (yaml.safe_load(text) or {}).get("stages", {}).values() for o in st.get("outs", [])]
+    outs = _lock_outs(text)
     out = next((o for o in outs if path == o.get("path") or path.startswith(f"{o.get('path')}/")), None)
     if out is None:
         return "HEAD's dvc.lock records no output holding the model"
@@ -85,6 +86,15 @@ def unversioned_because(root: Path | None, path: str | None) -> str | None:
     if obj.hash_info.value != out.get("md5"):
         return "HEAD's dvc.lock records other outputs than this run's (commit dvc.lock, then register again)"
     return None
+
+
+@functools.lru_cache(maxsize=4)
+def _lock_outs(text: str) -> list[dict[str, Any]]:
+    """The outputs a dvc.lock's text records, parsed once per text (a registration of every arm run
+    asks for each of them; the C parser when PyYAML has it: a lock has a thousand lines)."""
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    data = yaml.load(text, Loader=loader) or {}
+    return [o for st in (data.get("stages") or {}).values() for o in st.get("outs", [])]
 
 
 def gto_state(root: Path | None) -> dict[str, dict[str, Any]]:
