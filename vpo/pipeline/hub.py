@@ -17,7 +17,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from vpo.pipeline.console import log
+from vpo.pipeline.console import log, tool
 from vpo.pipeline.errors import StageError
 from vpo.pipeline.inputs import stage_command
 from vpo.pipeline.layout import ArmRun, RunLayout
@@ -152,7 +152,7 @@ def push_runs(cfg: Any, layout: RunLayout, runs: Sequence[ArmRun], hashes: Seque
     token = hub_token()
     repos = [hub_repo_id(tr.hub_model_id, r.rid) for r in runs]
     if not token:
-        log(f"push_to_hub: no Hugging Face token (set HF_TOKEN or run `hf auth login`); skipped uploading "
+        log(f"push_to_hub: no Hugging Face token (set HF_TOKEN or run `{tool('hf', 'auth', 'login')}`); skipped uploading "
             f"{len(repos)} run(s) to {tr.hub_model_id}-<run>")
         return []
     from huggingface_hub import HfApi
