@@ -104,9 +104,9 @@ def test_console_is_one_line_per_stage_event_and_the_log_file_has_the_rest(quick
     assert len(fixed) < 81, len(fixed)
     log_line = lines[-1]
     assert log_line.startswith("[vpo] full log: "), log_line
-    logs = list((run / "logs").glob("*-run.log"))
-    assert len(logs) == 1
-    text = logs[0].read_text()
+    log = run.parents[1] / log_line.removeprefix("[vpo] full log: ").split(" (")[0]  # the rerun wrote one too
+    assert log.parent == run / "logs" and log.name.endswith("-run.log"), log_line
+    text = log.read_text()
     assert "[vpo] train@vpo-s0: done in" in text and table.splitlines()[0] in text
     # every training log record: in the run's own log when it trained in its own process (side by side)
     own = list((run / "logs").glob("*-stage-train-vpo-s0.log"))
