@@ -43,6 +43,7 @@ from flows.tasks import (
 )
 from vpo.pipeline.config.layout import RunLayout
 from vpo.pipeline.config.names import run_id, variant_name
+from vpo.pipeline.engine.processes import children_stop_first
 from vpo.pipeline.engine.storage import redact
 
 __all__ = ["train_arm"]
@@ -70,6 +71,12 @@ def train_arm(
 ) -> dict[str, Any]:
     """Train run ``<arm>-s<seed>`` of a pipeline in this checkout from the inputs the caller recorded
     (``inputs``: their dvc.lock records), push its output and report its dvc.lock record."""
+    with children_stop_first():  # a signal stops the stage process before Prefect's engine sees it
+        return _train_arm(pipeline, quick, arm, seed, inputs, config, settings_digest)
+
+
+def _train_arm(pipeline: str, quick: bool, arm: str, seed: int, inputs: dict[str, Any], config: str,
+               settings_digest: str) -> dict[str, Any]:
     logger = get_run_logger()
     started = _now()
     run = flow_run(pipeline, quick, config)

@@ -26,6 +26,7 @@ from vpo.pipeline.config import PipelineConfig, load_pipeline
 from vpo.pipeline.config.layout import RunLayout
 from vpo.pipeline.dvc.params import settings_digest, variant_settings
 from vpo.pipeline.dvc.record import declared_stages
+from vpo.pipeline.engine.console import command
 from vpo.pipeline.engine.execution import Slot, concurrency
 from vpo.pipeline.steps import steps_of
 
@@ -138,7 +139,7 @@ def flow_run(pipeline: str = "route", quick: bool = False, config: str | os.Path
         if len(missing) < len(wanted) and missing:
             raise RuntimeError(
                 f"{dvc_yaml} is stale for pipeline {cfg.name!r}: it lacks stages {missing}; "
-                f"run `vpo dvc` and commit dvc.yaml and params.yaml"
+                f"run `{command('dvc')}` and commit dvc.yaml and params.yaml"
             )
         if not missing and overrides:
             note = ("overrides " + ", ".join(f"{k}={v!r}" for k, v in overrides.items()) + " change settings "

@@ -16,6 +16,7 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.flow_run import FlowRun, artifact_slug
 from vpo.pipeline.config.layout import RunLayout
+from vpo.pipeline.engine.console import mean_std
 from vpo.pipeline.engine.storage import redact
 
 __all__ = ["evaluation_md", "metrics_rows", "publish", "publish_failure", "registry_rows"]
@@ -109,17 +110,19 @@ def evaluation_md(metrics: dict[str, Any]) -> str:
     ks = [k for k in map(str, metrics.get("k", [])) if all(k in (e.get("best_at_k") or {}) for e in arms.values())]
 
     def curve(key: str) -> list[dict[str, Any]]:
-        return [{"arm": arm, **{f"k={k}": f"{e[key][k]['mean']:.3f} ± {e[key][k]['std']:.3f}" for k in ks}}
+        return [{"arm": arm, **{f"k={k}": mean_std(e[key][k], len(e.get("runs", []))) for k in ks}}
                 for arm, e in arms.items()]
 
+    spread = ("mean ± std over seeds" if any(len(e.get("runs", [])) > 1 for e in arms.values())
+              else "one seed per arm: no spread")
     k = ks[-1] if ks else None
     other = [{"arm": arm,
               f"pass@{k}": f"{e['pass_at_k'][k]['mean']:.3f}" if k and k in e.get("pass_at_k", {}) else "",
-              "diversity": f"{e['reward_diversity']['mean']:.3f} ± {e['reward_diversity']['std']:.3f}",
+              "diversity": mean_std(e["reward_diversity"], len(e.get("runs", []))),
               "first answer": f"{e['first_answer_mean']['mean']:.3f}",
               "parse rate": f"{e['parse_rate']['mean']:.3f}" if "parse_rate" in e else "",
               "collapsed": f"{e.get('collapsed_runs', 0)}/{len(e.get('runs', []))}"} for arm, e in arms.items()]
-    md = ["**best@k** (mean scalar reward of the best of k candidates; mean ± std over seeds)", "",
+    md = [f"**best@k** (mean scalar reward of the best of k candidates; {spread})", "",
           _table_md(curve("best_at_k")), "**E_w[best@k]** (w ~ Dirichlet)", "",
           _table_md(curve("expected_weighted_best_at_k")), "**pass@k, diversity, collapse**", "", _table_md(other)]
     oracle = metrics.get("oracle") or {}

@@ -28,7 +28,8 @@ pushes its outputs and returns its ``dvc.lock`` record; this flow writes the rec
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,7 @@ from flows.tasks import (
 )
 from vpo.pipeline.config.layout import RunLayout
 from vpo.pipeline.config.names import variant_name
+from vpo.pipeline.engine.processes import children_stop_first
 from vpo.pipeline.engine.storage import redact
 
 __all__ = ["retrain", "serve"]
@@ -170,6 +172,12 @@ def retrain(
     names a ``train-arm`` deployment (``"train-arm/train-arm-process"``): each training run becomes a
     flow run of it on its work pool.
     """
+    with children_stop_first():  # a signal stops the stage processes before Prefect's engine sees it
+        return _retrain(pipeline, quick, config, overrides, retry_delay_s, arms_on)
+
+
+def _retrain(pipeline: str, quick: bool, config: str, overrides: dict[str, Any] | None, retry_delay_s: float,
+             arms_on: str | None) -> dict[str, Any]:
     logger = get_run_logger()
     run = flow_run(pipeline, quick, config, overrides)
     logger.info("retrain %s: %d stages in %s; %s; DVC remote %s; registry %s", run.variant, len(run.steps),
@@ -228,16 +236,14 @@ def serve(
     """Serve ``retrain`` as a cron deployment from this process (a Prefect ``Runner``: no work pool
     needed) with the concurrency limit ``prefect.yaml``'s deployments have (one run at a time, later
     ones queued); its schedule is paused when serving stops. ``overrides`` become the deployment's
-    default parameter; a run from the UI may change them. SIGTERM raises
-    :class:`vpo.pipeline.engine.processes.Terminated` after the runner stopped (Prefect's own handler would
-    exit 0 without a word)."""
-    import asyncio
-    import signal
+    default parameter; a run from the UI may change them.
 
+    SIGTERM, SIGHUP and SIGINT stop it as the runner's own shutdown does, awaited: every flow run it
+    started is cancelled (each stops its stage processes first, :func:`retrain`), the schedule is
+    paused; then :class:`vpo.pipeline.engine.processes.Terminated` (``KeyboardInterrupt`` for SIGINT) is
+    raised, so the caller says one line and exits 128 + the signal."""
     from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
     from prefect.runner import Runner
-
-    from vpo.pipeline.engine.processes import Terminated
 
     flow_run(pipeline, quick, config, overrides)  # fail now on a bad config, not at 03:00
     params = {"pipeline": pipeline, "quick": quick, "config": str(Path(config).resolve()),
@@ -252,10 +258,80 @@ def serve(
         description=f"Scheduled retrain of {variant_name(pipeline, quick)} ({cron}, UTC)",
         concurrency_limit=ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE),
     )
+    with _said_once_per_change("prefect.runner", "scheduled runs skipped (at capacity)"):
+        signum = _run_until_signalled(runner)
+    if signum is not None:
+        import signal
 
-    def on_sigterm(*_: Any) -> None:
-        runner.stop()
-        raise Terminated(signal.SIGTERM)
+        from vpo.pipeline.engine.processes import Terminated
 
-    runner.handle_sigterm = on_sigterm  # type: ignore[method-assign]  # start() installs this one
-    asyncio.run(runner.start())
+        raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
+
+
+def _run_until_signalled(runner: Any) -> int | None:
+    """Run ``runner`` until a stop signal; the signal (None: it stopped by itself). The first SIGTERM,
+    SIGHUP or SIGINT awaits ``runner.astop()`` in the runner's own event loop (the flow runs it started
+    are cancelled and waited for) instead of leaving the loop with runs still going; a second one while
+    stopping is ignored (the runner kills what does not stop within its grace period)."""
+    import asyncio
+    import signal
+
+    received: list[int] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        serving = asyncio.current_task()
+        assert serving is not None
+
+        async def stop() -> None:
+            if runner.started:
+                await runner.astop()
+            else:  # still registering the deployment: nothing runs yet
+                serving.cancel()
+
+        def on_signal(signum: int) -> None:
+            if not received:
+                received.append(signum)
+                loop.create_task(stop())
+
+        for sig in (signal.SIGINT, signal.SIGHUP):
+            loop.add_signal_handler(sig, on_signal, sig)
+        # Runner.start() installs handle_sigterm with signal.signal: hand the signal to the loop
+        runner.handle_sigterm = lambda *_: loop.call_soon_threadsafe(on_signal, signal.SIGTERM)
+        try:
+            await runner.start()
+        except asyncio.CancelledError:
+            if not received:
+                raise
+
+    asyncio.run(main())
+    return received[0] if received else None
+
+
+class _ChangedOnly:
+    """A logging filter passing a record whose message contains ``text`` only when it differs from the
+    last one it passed (the runner logs "N scheduled runs skipped (at capacity)" at every poll)."""
+
+    def __init__(self, text: str) -> None:
+        self.text, self.last = text, None
+
+    def filter(self, record: Any) -> bool:
+        message = record.getMessage()
+        if self.text not in message:
+            return True
+        if message == self.last:
+            return False
+        self.last = message
+        return True
+
+
+@contextmanager
+def _said_once_per_change(logger: str, text: str) -> Iterator[None]:
+    import logging
+
+    flt = _ChangedOnly(text)
+    logging.getLogger(logger).addFilter(flt)
+    try:
+        yield
+    finally:
+        logging.getLogger(logger).removeFilter(flt)

@@ -608,7 +608,7 @@ def register(run: FlowRun) -> dict[str, Any]:
 
 class _StageFailureFormatter(logging.Formatter):
     """A console formatter that leaves out the traceback of a :class:`StageFailed` or an interruption
-    (Ctrl-C, SIGTERM): the stage already printed its own one-line error (the command its one line on
+    (Ctrl-C, SIGTERM, Prefect's own termination signal): the stage already printed its own one-line error (the command its one line on
     stopping), and Prefect's traceback only shows the flow code re-raising it.
     Other exceptions keep theirs; the UI's log handler is untouched (it still gets the traceback)."""
 
@@ -617,8 +617,10 @@ class _StageFailureFormatter(logging.Formatter):
         self.inner = inner or logging.Formatter()
 
     def format(self, record: logging.LogRecord) -> str:
+        from prefect.exceptions import ExternalSignal
+
         exc = record.exc_info[1] if record.exc_info else None
-        if not isinstance(exc, (StageFailed, KeyboardInterrupt)):  # an interruption says one line itself
+        if not isinstance(exc, (StageFailed, KeyboardInterrupt, ExternalSignal)):  # a stop says one line itself
             return self.inner.format(record)
         saved = record.exc_info, record.exc_text
         record.exc_info, record.exc_text = None, None

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from tests.test_faults_support import (
     RUN_NAME,
+    VPO,
     copy_prepared,
     load_cfg,
     prepared_run,
@@ -408,7 +409,7 @@ def test_train_with_truncated_base_weights(work: Work) -> None:
     _assert_clean_error(
         proc,
         f"base model: incomplete checkpoint {work.run / 'base'}: model.safetensors is truncated",
-        "rebuild it with `vpo stage base --pipeline route --quick`",
+        f"rebuild it with `{VPO} stage base --pipeline route --quick`",
     )
     assert work.digest() == before
     assert not (work.run / "arms").exists()
@@ -424,7 +425,7 @@ def test_evaluate_with_an_arm_model_missing_its_config(work: Work) -> None:
         proc,
         "policy vpo-s0: incomplete checkpoint",
         "no model config (config.json or adapter_config.json)",
-        "retrain it with `vpo stage train --pipeline route --quick --arm vpo --seed 0`",
+        f"retrain it with `{VPO} stage train --pipeline route --quick --arm vpo --seed 0`",
     )
     assert work.digest() == before and not (work.run / "eval").exists()
 
@@ -451,7 +452,7 @@ def test_register_refuses_incomplete_arms(work: Work, damage: str, fragment: str
     before = work.digest()
     proc = run_vpo(["stage", "register", "--quick", "--config", "pipelines.yaml"], work.folder, timeout=120)
     _assert_clean_error(
-        proc, fragment, "retrain it with `vpo stage train --pipeline route --quick --arm grpo_x3 --seed 0`"
+        proc, fragment, f"retrain it with `{VPO} stage train --pipeline route --quick --arm grpo_x3 --seed 0`"
     )
     assert work.digest() == before
     assert not (work.folder / "registry").exists() and not (work.run / "registry.json").exists()
@@ -511,7 +512,7 @@ def test_resume_skips_torn_and_truncated_trainer_checkpoints(tmp_path: Path) -> 
 
 @pytest.mark.parametrize(("damage", "stage", "fragments"), [
     ("data/train.parquet", "rewards",
-     ["data/train.parquet is unreadable", "rebuild it with `vpo stage data --pipeline route --quick`"]),
+     ["data/train.parquet is unreadable", f"rebuild it with `{VPO} stage data --pipeline route --quick`"]),
     ("arms/grpo_x3-s0/metrics.json", "register",
      ["arms/grpo_x3-s0/metrics.json is unreadable", "--arm grpo_x3 --seed 0`"]),
 ])

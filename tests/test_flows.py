@@ -785,3 +785,22 @@ def test_console_prints_a_stage_failure_without_prefects_traceback() -> None:
     assert stage == "ERROR flow failed"
     assert "Traceback" in other and "ValueError: a bug" in other
     assert "Traceback" in after  # the console's own formatter is back
+
+
+def test_the_runners_at_capacity_line_is_said_once_per_change(caplog: pytest.LogCaptureFixture) -> None:
+    """`vpo serve` polls every few seconds; "N scheduled runs skipped (at capacity)" is said when N
+    changes, not at every poll."""
+    import logging
+
+    from flows.retrain import _said_once_per_change
+
+    logger = logging.getLogger("prefect.runner")
+    with caplog.at_level(logging.INFO, logger="prefect.runner"), _said_once_per_change(
+            "prefect.runner", "scheduled runs skipped (at capacity)"):
+        for n in (1, 1, 1, 2, 2, 1):
+            logger.info("%d scheduled runs skipped (at capacity)", n)
+        logger.info("another line")
+        logger.info("another line")
+    said = [r.getMessage() for r in caplog.records if r.name == "prefect.runner"]
+    assert said == ["1 scheduled runs skipped (at capacity)", "2 scheduled runs skipped (at capacity)",
+                    "1 scheduled runs skipped (at capacity)", "another line", "another line"]

@@ -13,6 +13,7 @@ import yaml
 
 from vpo.pipeline.config import ConfigError, load_pipeline
 from vpo.pipeline.config.layout import RunLayout, arm_runs
+from vpo.pipeline.engine.console import tool
 from vpo.pipeline.engine.errors import StageError
 from vpo.pipeline.registry import hub
 
@@ -66,7 +67,8 @@ def test_without_a_token_nothing_is_uploaded_and_one_line_says_so(
     assert hub.push_runs(cfg, RunLayout.of(cfg), arm_runs(cfg), ["h"] * 3) == []
     assert fake_hub.calls == []
     out = capsys.readouterr().out
-    assert "[vpo] push_to_hub: no Hugging Face token (set HF_TOKEN or run `hf auth login`); skipped uploading " \
+    assert f"[vpo] push_to_hub: no Hugging Face token (set HF_TOKEN or run `{tool('hf', 'auth', 'login')}`); " \
+        "skipped uploading " \
         f"{len(arm_runs(cfg))} run(s)" in out
 
 

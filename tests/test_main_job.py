@@ -20,14 +20,28 @@ ROOT = Path(__file__).resolve().parents[1]
 VPO = Path(sys.executable).with_name("vpo")
 
 
+_RERUN: dict[str, Any] = {}
+"""The same command again right after the first run (the quick_run fixture): its output and the
+commands of the processes it started."""
+
+
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    try:
+        from proc_watch import Descendants
+    except ModuleNotFoundError:  # tests/ imported as a package
+        from tests.proc_watch import Descendants
+
     folder = tmp_path_factory.mktemp("main-job")
     shutil.copy(ROOT / "pipelines.yaml", folder / "pipelines.yaml")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([str(VPO), "run", "--quick", "--config", "pipelines.yaml"],
-                          cwd=folder, env=env, capture_output=True, text=True, timeout=900, check=False)
+    argv = [str(VPO), "run", "--quick", "--config", "pipelines.yaml"]
+    proc = subprocess.run(argv, cwd=folder, env=env, capture_output=True, text=True, timeout=900, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    again = subprocess.Popen(argv, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    with Descendants(again.pid, interval_s=0.05) as watch:
+        out, _ = again.communicate(timeout=600)
+    _RERUN.update(rc=again.returncode, out=out, started=list(watch.seen.values()))
     return folder / "runs" / "route-quick", proc.stdout
 
 
@@ -90,9 +104,9 @@ def test_console_is_one_line_per_stage_event_and_the_log_file_has_the_rest(quick
     assert len(fixed) < 81, len(fixed)
     log_line = lines[-1]
     assert log_line.startswith("[vpo] full log: "), log_line
-    logs = list((run / "logs").glob("*-run.log"))
-    assert len(logs) == 1
-    text = logs[0].read_text()
+    log = run.parents[1] / log_line.removeprefix("[vpo] full log: ").split(" (")[0]  # the rerun wrote one too
+    assert log.parent == run / "logs" and log.name.endswith("-run.log"), log_line
+    text = log.read_text()
     assert "[vpo] train@vpo-s0: done in" in text and table.splitlines()[0] in text
     # every training log record: in the run's own log when it trained in its own process (side by side)
     own = list((run / "logs").glob("*-stage-train-vpo-s0.log"))
@@ -171,6 +185,16 @@ def test_weights_and_metrics_do_not_depend_on_running_side_by_side(quick_run: tu
     assert ours == results(run / "eval" / "metrics.json")
     for name in ("results.json", "selection.json", "table.md"):
         assert (other / "runs" / "route-quick" / "search" / name).read_bytes() == (run / "search" / name).read_bytes()
+
+
+def test_a_rerun_with_nothing_to_do_starts_no_stage_process(quick_run: tuple[Path, str]) -> None:
+    """The same command right after the first run: every stage says it is up to date, and no `vpo stage`
+    process is started for a training run or a search (the check comes before a process per arm)."""
+    assert _RERUN["rc"] == 0, _RERUN["out"][-3000:]
+    for label in ("data", "rewards", "base", "train@grpo-s0", "train@vpo-s0", "train@grpo_x3-s0", "train@max_at_k-s0",
+                  "evaluate", "search"):
+        assert f"[vpo] {label}: up to date" in _RERUN["out"], _RERUN["out"][-3000:]
+    assert not [cmd for cmd in _RERUN["started"] if " stage " in cmd], _RERUN["started"]
 
 
 def test_rerun_redoes_only_what_changed_and_says_why(quick_run: tuple[Path, str]) -> None:

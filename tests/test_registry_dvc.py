@@ -260,3 +260,67 @@ def test_quick_pipeline_on_an_s3_remote_promoted_arm_comes_back_byte_identical_i
     shown = yaml.safe_load(sh("gto", "show", "--json", cwd=clone))
     assert shown["route-quick-vpo-s0"]["stage"]["production"] == "v0.0.1"
     assert shown["route-quick-grpo-s0"]["version"] == "v0.0.1"
+
+
+def test_promote_remove_takes_the_stage_away_the_gto_way(project: Path, tmp_path: Path, capsys) -> None:
+    """`promote KEY --stage S --remove` on a GTO version writes GTO's unassign tag: `gto show` no longer
+    lists the stage. Removing a stage the version is not in changes nothing and says so (exit 2)."""
+    reg_dir = tmp_path / "registry"
+    register(project, reg_dir)
+    args = ["--registry", str(reg_dir), "--repo", str(project)]
+    assert main([*args, "promote", "q-vpo-s0@v0.0.1", "--stage", "production"]) == 0
+    assert "production" in sh("gto", "show", cwd=project)
+    capsys.readouterr()
+    assert main([*args, "promote", "q-vpo-s0@v0.0.1", "--stage", "production", "--remove"]) == 0
+    out = capsys.readouterr().out
+    assert "q-vpo-s0 " in out and "left stage production (GTO: a q-vpo-s0#production! tag" in out, out
+    shown = sh("gto", "show", cwd=project)
+    assert "production" not in shown and "v0.0.1" in shown, shown
+    assert not yaml.safe_load(sh("gto", "show", "--json", cwd=project))["q-vpo-s0"]["stage"].get("production")
+    assert not (reg_dir / "stages").exists()  # no record of the registry's own stands in for the tag
+    assert main([*args, "promote", "q-vpo-s0@v0.0.1", "--stage", "production", "--remove"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not in stage production (its stages: none); nothing to remove" in err
+
+
+def test_list_marks_versions_known_from_git_tags_only(project: Path, tmp_path: Path, capsys) -> None:
+    """A registry without entries for the repository's GTO versions (a clone, a fresh folder): list
+    shows the versions marked as such, verify checks their weights against the tag's content hash and
+    says so; a registry URL with nothing behind it is an error naming it, not rows from the tags."""
+    register(project, tmp_path / "registry")
+    empty = tmp_path / "empty-registry"
+    empty.mkdir()
+    args = ["--repo", str(project)]
+    assert main(["--registry", str(empty), *args, "list"]) == 0
+    captured = capsys.readouterr()
+    assert "v0.0.1 (tag only)" in captured.out and "come from the repository's GTO tags only" in captured.err
+    assert main(["--registry", str(empty), *args, "verify"]) == 0
+    out = capsys.readouterr().out
+    assert "its git tag's content hash" in out and "1/1 entries verified (1 of them from git tags only" in out
+    for verb in ("list", "verify", "best"):
+        assert main(["--registry", str(tmp_path / "typo"), *args, verb]) == 2
+        err = capsys.readouterr().err
+        assert f"registry {tmp_path / 'typo'} (--registry) does not exist" in err and err.count("\n") == 1, err
+
+
+def test_the_cards_fetch_command_runs_as_printed(project: Path, tmp_path: Path) -> None:
+    """The model card's command, run by a shell with no virtualenv on PATH from the project's root,
+    gets the model back (an unversioned entry: by md5 through DVC's cache)."""
+    shutil.copytree(REPO / "bin", project / "bin")
+    (project / ".venv").symlink_to(Path(sys.executable).parents[1])
+    reg_dir = tmp_path / "registry"
+    make_checkpoint(project / MODEL, seed=3)  # not what HEAD's dvc.lock records: no version
+    from dvc.repo import Repo
+
+    with Repo(str(project)) as dvc:
+        dvc.commit(f"{project}/dvc.yaml:train", force=True)
+    entry, why = register(project, reg_dir)
+    assert entry.version is None and why
+    card = (reg_dir / "entries" / entry.artifact / f"{entry.hash}.md").read_text()
+    line = card.split("```bash\n", 1)[1].split("\n", 1)[0]
+    assert line.startswith("bin/vpo registry fetch "), card
+    done = subprocess.run(["sh", "-c", line], cwd=project, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
+                          "VPO_REGISTRY": str(reg_dir), **GIT_ID}, capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert content_hash(project / "model") == entry.hash

@@ -24,8 +24,7 @@ handler per command name. The Prefect commands (``flow``, ``ui``, ``serve``) com
 from __future__ import annotations
 
 import argparse
-import errno
-import json
+import contextlib
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -186,7 +185,7 @@ def _log_path(args: argparse.Namespace, cfg: Any) -> Any:
     import time
 
     from vpo.pipeline.config.layout import RunLayout
-    from vpo.pipeline.stages.train import CHILD_ENV
+    from vpo.pipeline.engine.processes import CHILD_ENV
 
     if os.environ.get(CHILD_ENV):
         return None
@@ -217,8 +216,8 @@ def _closing_line() -> None:
 def _stage(args: argparse.Namespace, cfg: Any) -> int:
     from vpo.pipeline.config.layout import RunLayout
     from vpo.pipeline.engine.locking import pipeline_lock
+    from vpo.pipeline.engine.processes import CHILD_ENV
     from vpo.pipeline.runner import run_step
-    from vpo.pipeline.stages.train import CHILD_ENV
     from vpo.pipeline.steps import steps_of
 
     steps = steps_of(cfg, [args.name])
@@ -242,11 +241,9 @@ def _stage(args: argparse.Namespace, cfg: Any) -> int:
         return 0
     # one arm run trains beside other arm runs (shared run lock); anything else runs alone
     arm = steps[0].run.rid if args.name == "train" and len(steps) == 1 else None
-    results = {}
     with pipeline_lock(layout.root, cfg.variant, arm=arm):
         for step in steps:
-            results[step.label] = run_step(cfg, step, layout=layout, force=args.force)
-    print(json.dumps({"stage": args.name, "ok": True, "steps": sorted(results)}, default=str))
+            run_step(cfg, step, layout=layout, force=args.force)
     return 0
 
 
@@ -256,13 +253,14 @@ def _search_shard(cfg: Any, arm: str) -> int:
     import time
 
     from vpo.pipeline.config.layout import RunLayout
-    from vpo.pipeline.engine.console import stage_done
+    from vpo.pipeline.engine.console import quiet_libraries, stage_done
     from vpo.pipeline.engine.context import StageContext
     from vpo.pipeline.engine.locking import pipeline_lock
     from vpo.pipeline.stages.search import search_shard
 
     layout = RunLayout.of(cfg)
     t0 = time.time()
+    quiet_libraries()
     with pipeline_lock(layout.root, cfg.variant, arm=f"search-{arm}"):
         ctx = StageContext(cfg, layout, "search", None, None, progress=False)
         search_shard(ctx, arm)
@@ -271,21 +269,95 @@ def _search_shard(cfg: Any, arm: str) -> int:
 
 
 def _default_storage(argv: Sequence[str]) -> tuple[str | None, tuple[str, str] | None]:
-    """The default pipeline's ``storage.registry`` and DVC remote (URL, name) when a pipelines.yaml is here;
-    not read when ``--registry`` or ``$VPO_REGISTRY`` names the registry (the file may be broken, or absent)."""
+    """The default pipeline's ``storage.registry`` and DVC remote (URL, name) when a pipelines.yaml is here
+    (exit 2 with the config error when it is broken); not read when ``--registry`` or ``$VPO_REGISTRY``
+    names the registry (the file may be broken, or absent)."""
     from vpo.pipeline.config import ConfigError, load_pipeline
 
-    if os.environ.get("VPO_REGISTRY") or any(a == "--registry" or a.startswith("--registry=") for a in argv):
+    if os.environ.get("VPO_REGISTRY") is not None or any(a == "--registry" or a.startswith("--registry=")
+                                                         for a in argv):
+        return None, None
+    if not os.path.isfile("pipelines.yaml"):
         return None, None
     try:
         cfg = load_pipeline(None, "pipelines.yaml")
-    except ConfigError:
-        return None, None
+    except ConfigError as exc:  # the registry would come from this file: say what is wrong with it
+        _fail(f"{exc}\n(the registry is the default pipeline's storage.registry; fix the file, or name the registry "
+              "with --registry URL or VPO_REGISTRY)")
     remote = (cfg.resolve_url(cfg.storage.dvc_remote), cfg.storage.dvc_remote_name) if cfg.storage.dvc_remote else None
     return cfg.resolve_url(cfg.storage.registry), remote
 
 
+_SIGNAL_CODES = (129, 130, 143)
+"""Exit codes of a command stopped by SIGHUP, SIGINT or SIGTERM (128 + the signal)."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``vpo`` command ``argv`` (default: this process's arguments); returns its exit code.
+
+    Whatever escapes a command becomes one ``error:`` line and exit code 1 (the traceback goes to the
+    command's log file when it has one). A command process stopped by a signal ends as soon as it said
+    its line: it skips the interpreter's module teardown, which takes seconds after a model was loaded
+    (exit handlers still run)."""
+    as_command = argv is None
+    try:
+        code = _main(argv)
+    except KeyboardInterrupt as exc:  # stopped before a command installed its own handling
+        from vpo.pipeline.engine.processes import describe, exit_code
+
+        print(f"[vpo] {describe(exc)}", file=sys.stderr, flush=True)
+        code = exit_code(exc)
+    except Exception as exc:  # noqa: BLE001 (a bug or an error class without its own line: still one line)
+        code = _crashed(exc)
+    if as_command and code in _SIGNAL_CODES:
+        _exit_now(code)
+    return code
+
+
+def _crashed(exc: BaseException) -> int:
+    """One line for an exception no command turned into its own error line; exit code 1."""
+    import traceback
+
+    from vpo.pipeline.engine import console
+    from vpo.pipeline.engine.storage import redact
+
+    text = (str(exc).strip().splitlines() or [""])[0]
+    log = console.last_log_file()
+    if log is not None:
+        where = f"the traceback is in {_shown(log)}"
+    elif os.environ.get("VPO_TRACEBACK"):
+        traceback.print_exception(exc, file=sys.stderr)
+        where = "traceback above"
+    else:
+        where = "VPO_TRACEBACK=1 shows the traceback"
+    print(f"error: {redact(f'{type(exc).__name__}: {text}')} (unexpected: {where})", file=sys.stderr, flush=True)
+    return 1
+
+
+def _shown(path: Any) -> str:
+    try:
+        return os.path.relpath(path)
+    except ValueError:
+        return str(path)
+
+
+def _exit_now(code: int) -> None:
+    """End the process with ``code`` after flushing output and running exit handlers, without the
+    module teardown (a stopped stage spent 4-7 s of a loaded machine's time garbage-collecting torch)."""
+    import atexit
+    import logging
+
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    with contextlib.suppress(Exception):
+        atexit._run_exitfuncs()
+    with contextlib.suppress(Exception):
+        logging.shutdown()
+    os._exit(code)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     for k, v in _ENV_DEFAULTS.items():
         os.environ.setdefault(k, v)
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -337,12 +409,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _closing_line()
             return code
     except OSError as exc:  # the run folder's disk is full before a stage could say so (lock, log)
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-            raise
         from vpo.pipeline.config.layout import RunLayout
+        from vpo.pipeline.engine.errors import disk_full, disk_of
 
-        where = exc.filename or RunLayout.of(cfg).root
-        _fail(f"disk full at {where} ({exc.strerror or exc}); free space and run `{console.command(*argv)}` again")
+        full, path = disk_full(exc)
+        if not full:
+            raise
+        where = path or RunLayout.of(cfg).root
+        _fail(f"disk full at {where} ({disk_of(where)}; {exc.strerror or exc}); free space and run "
+              f"`{console.command(*argv)}` again")
     return 2  # not reached: _fail exits
 
 

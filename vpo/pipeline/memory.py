@@ -45,6 +45,7 @@ from vpo.pipeline.config.settings import vpo_config_kwargs
 from vpo.pipeline.engine.console import detail, log
 from vpo.pipeline.engine.context import build_task
 from vpo.pipeline.engine.errors import StageError
+from vpo.pipeline.engine.inputs import stage_command
 
 __all__ = ["MODEL_CONFIGS", "PLAN_ENV", "arm_plan", "check_plan", "local_device", "model_shape", "parallel_of",
            "shipped_config"]
@@ -117,7 +118,7 @@ def model_shape(cfg: PipelineConfig, layout: RunLayout | None = None) -> tuple[M
         imported = layout.model_cache(f"{Path(name).stem}-{m.dtype}") / "config.json"
         path = imported if imported.is_file() else shipped_config(name)
         if path is None:
-            raise StageError(f"no config.json for GGUF model {name!r}: run `vpo stage base` once (it imports the "
+            raise StageError(f"no config.json for GGUF model {name!r}: run `{stage_command(cfg, 'base')}` once (it imports the "
                              f"file) or add its config to {MODEL_CONFIGS}")
         config, source = _read_config(path), str(path)
     shape = ModelShape.from_config(config, name=str(m.path_or_id or (m.gguf and (m.gguf.file or m.gguf.path))

@@ -13,7 +13,6 @@ steps are then recorded in ``dvc.lock`` (:mod:`vpo.pipeline.dvc.record`), so ``d
 
 from __future__ import annotations
 
-import errno
 import shutil
 import time
 from collections.abc import Sequence
@@ -24,7 +23,7 @@ from vpo.pipeline.config import RUN_INDEPENDENT_ARM_KEYS, PipelineConfig
 from vpo.pipeline.config.layout import RunLayout, arm_runs
 from vpo.pipeline.engine.console import log, shown_path, stage_done, stage_started
 from vpo.pipeline.engine.context import StageContext
-from vpo.pipeline.engine.errors import StageError
+from vpo.pipeline.engine.errors import StageError, disk_full, full_disk_text
 from vpo.pipeline.engine.execution import (
     Concurrency,
     check_hardware,
@@ -107,19 +106,6 @@ def _record(step: Step, layout: RunLayout, fp: Fingerprint, summary: dict[str, A
     write_state(layout.state_file(step.stage.name, step.rid), fp, digest, files, summary)
 
 
-def _disk_full(exc: BaseException) -> bool:
-    """Whether an error is a full disk (OSError ENOSPC/EDQUOT, or torch's writer failing mid-file)."""
-    while exc is not None:
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        text = str(exc)
-        if "No space left on device" in text or ("enforce fail" in text and (
-                "unexpected pos" in text or "file write failed" in text)):
-            return True
-        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
-    return False
-
-
 def run_step(cfg: PipelineConfig, step: Step, *, layout: RunLayout | None = None, force: bool = False,
              progress: bool = True) -> dict[str, Any]:
     """Run one step unless its output is up to date (``force`` runs it anyway); returns its summary."""
@@ -149,17 +135,19 @@ def run_step(cfg: PipelineConfig, step: Step, *, layout: RunLayout | None = None
     try:
         if step.stage.per_run:  # a run's thread count is the same alone or beside others: same weights
             with torch_threads(stage_threads(cfg)):
-                summary = step.stage.run(ctx)
+                summary = step.stage.call(ctx)
         else:
-            summary = step.stage.run(ctx)
+            summary = step.stage.call(ctx)
         if state_path is not None:
             _record(step, layout, fp, summary)
-    except (OSError, RuntimeError) as exc:
-        if not _disk_full(exc):
+    except Exception as exc:  # any writer may hit a full disk: torch, safetensors' Rust, fsspec
+        full, path = disk_full(exc)
+        if not full:
             raise
-        out = layout.outputs(step.stage.name, step.rid)[0]
-        raise StageError(f"{step.label}: the disk holding {out} is full ({exc.__class__.__name__}: "
-                         f"{str(exc).splitlines()[0][:160]}); free space and run the stage again"
+        where = full_disk_text(path or layout.outputs(step.stage.name, step.rid)[0])
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise StageError(f"{step.label}: {where}; {exc.__class__.__name__}: {first}; free space there and "
+                         "run the stage again"
                          + (" (it resumes from the last intact checkpoint)" if step.stage.per_run else "")) from None
     stage_done(step.label, time.time() - t0, ctx.notes.get("outcome"))
     return summary
@@ -205,8 +193,9 @@ def run_all(cfg: PipelineConfig, stages: Sequence[str] | None = None, *, search:
             force: bool = False, progress: bool = True, record: bool = True) -> dict[str, Any]:
     """Run the pipeline's steps (the main job) holding the run folder's lock
     (:class:`vpo.pipeline.engine.locking.LockBusyError` at once if another run holds it): in order, the
-    training runs side by side when ``execution.max_parallel`` allows; then, with ``record``, record
-    them in ``dvc.lock`` when DVC manages this variant."""
+    training runs side by side when ``execution.max_parallel`` allows (those already up to date are
+    said so here, without a process each); then, with ``record``, record them in ``dvc.lock`` when
+    DVC manages this variant."""
     from vpo.pipeline.engine.locking import pipeline_lock
 
     layout = RunLayout.of(cfg)
@@ -214,6 +203,11 @@ def run_all(cfg: PipelineConfig, stages: Sequence[str] | None = None, *, search:
     results: dict[str, Any] = {}
     with pipeline_lock(layout.root, cfg.variant):
         for group in independent_groups(steps):
+            if len(group) > 1 and not force:  # up to date: said here, no process started for it
+                current = [s for s in group if staleness(cfg, s, layout) is None]
+                for step in current:
+                    results[step.label] = run_step(cfg, step, layout=layout, progress=progress)
+                group = [s for s in group if s not in current]
             ex = concurrency(cfg, len(group)) if len(group) > 1 else None
             if ex is not None and ex.max_parallel > 1:
                 results.update(run_side_by_side(cfg, group, ex, layout=layout, force=force))

@@ -9,14 +9,16 @@ the stage's fingerprint (:mod:`vpo.pipeline.engine.state`) and its DVC deps.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vpo.pipeline.config import PipelineConfig
 from vpo.pipeline.config.layout import ArmRun, arm_runs
-from vpo.pipeline.engine.context import StageContext
-from vpo.pipeline.stages import base, data, evaluate, register, rewards, search, train
+
+if TYPE_CHECKING:
+    from vpo.pipeline.engine.context import StageContext
 
 __all__ = ["STAGES", "Stage", "Step", "stage", "steps_of"]
 
@@ -27,11 +29,13 @@ _ADVANTAGES = ("vpo/advantages/__init__.py", "vpo/advantages/batching.py", "vpo/
 
 @dataclass(frozen=True)
 class Stage:
-    """One stage: its function and what it depends on."""
+    """One stage: its function and what it depends on. The function is ``run`` of
+    ``vpo/pipeline/stages/<name>.py`` unless given, imported when the stage runs (:meth:`call`):
+    deciding that a stage is up to date imports no ML library."""
 
     name: str
     summary: str
-    run: Callable[[StageContext], dict[str, Any]]
+    run: Callable[[StageContext], dict[str, Any]] | None = None
     inputs: tuple[str, ...] = ()
     params: tuple[str, ...] = ()
     code: tuple[str, ...] = ()
@@ -41,10 +45,23 @@ class Stage:
     in_dvc: bool = True
     volatile: tuple[str, ...] = ()
     scratch: tuple[str, ...] = ()
+    models: bool = False
 
     # volatile: names in the output that downstream stages do not read (timings, logs, plots): left out
     # of the output's content digest, so a re-run with the same result does not re-run what follows.
     # scratch: resume state inside the output, deleted once the output is recorded.
+    # models: the stage loads models (transformers, datasets): their own progress bars and console
+    # handlers are switched off before it works.
+
+    def call(self, ctx: StageContext) -> dict[str, Any]:
+        """Run the stage's function on ``ctx``; returns its summary."""
+        if self.models:
+            from vpo.pipeline.engine.console import quiet_libraries
+
+            quiet_libraries()
+        run = self.run or importlib.import_module(f"vpo.pipeline.stages.{self.name}").run
+        result: dict[str, Any] = run(ctx)
+        return result
 
     @property
     def code_files(self) -> tuple[str, ...]:
@@ -54,35 +71,36 @@ class Stage:
 
 STAGES: tuple[Stage, ...] = (
     Stage("data", "build the dataset version from the task, validate it (great_expectations), write parquet",
-          data.run, params=("task", "dataset"), code=("vpo/pipeline/validation.py",), volatile=("validation.json",)),
+          params=("task", "dataset"), code=("vpo/pipeline/validation.py",), volatile=("validation.json",)),
     Stage("rewards", "score reference answers into reward vectors and validate them",
-          rewards.run, inputs=("data",), params=("seed", "task", "dataset"), code=("vpo/pipeline/validation.py",),
+          inputs=("data",), params=("seed", "task", "dataset"), code=("vpo/pipeline/validation.py",),
           volatile=("validation.json",)),
     Stage("base", "the starting policy: the embedded model trained by SFT, or a hub/local model",
-          base.run, params=("seed", "task", "model", "sft"), code=("vpo/sft.py", "vpo/tiny.py"),
-          volatile=("summary.json", "sft_metrics.json")),
+          params=("seed", "task", "model", "sft"), code=("vpo/sft.py", "vpo/tiny.py"),
+          volatile=("summary.json", "sft_metrics.json"), models=True),
     Stage("train", "train one arm run (estimator x seed) from the base; resumes from checkpoints",
-          train.run, inputs=("data", "rewards", "base"), params=("task", "trainer", "arm"),
+          inputs=("data", "rewards", "base"), params=("task", "trainer", "arm"),
           code=("vpo/pipeline/config/settings.py", "vpo/pipeline/config/fields.py", "vpo/trainer_fields.py",
                 "vpo/pipeline/engine/checkpoints.py", "vpo/trainer.py", *_ADVANTAGES,
                 "vpo/metrics.py"),
-          per_run=True, volatile=("progress.json", "live", "tensorboard", "metrics.json", "history.json"), scratch=("trainer",)),
+          per_run=True, volatile=("progress.json", "live", "tensorboard", "metrics.json", "history.json"),
+          scratch=("trainer",), models=True),
     Stage("evaluate", "best@k, pass@k, E_w[best@k], diversity of the base and every arm run",
-          evaluate.run, inputs=("data", "base", "train"),
+          inputs=("data", "base", "train"),
           params=("task", "arms", "trainer.max_completion_length", "evaluation"),
           code=("vpo/evaluate.py", "vpo/generation.py", "vpo/metrics.py"),
           volatile=("metrics.json", "summary.json", "curves.json", "table.md", "best_at_k.png",
-                    "learning_curves.png")),
+                    "learning_curves.png"), models=True),
     Stage("search", "evolutionary search (and best-of-k) with each arm's first-seed checkpoint",
-          search.run, inputs=("data", "evaluate", "train"),
+          inputs=("data", "evaluate", "train"),
           params=("seed", "task", "arms", "trainer.max_completion_length", "evaluation.split",
                   "evaluation.max_problems", "search"),
           code=("vpo/search/__init__.py", "vpo/search/loop.py", "vpo/search/database.py", "vpo/search/proposer.py",
                 "vpo/search/runner.py", "vpo/search/baselines.py", "vpo/search/curves.py", "vpo/generation.py",
                 "vpo/evaluate.py", "vpo/metrics.py"),
-          optional=True, scratch=("checkpoints",)),
+          optional=True, scratch=("checkpoints",), models=True),
     Stage("register", "register every arm checkpoint (content hash, lineage, metrics) in the registry",
-          register.run, inputs=("train", "evaluate"), params=("storage",),
+          inputs=("train", "evaluate"), params=("storage",),
           code=("vpo/pipeline/registry/__init__.py", "vpo/pipeline/registry/entries.py",
                 "vpo/pipeline/registry/store.py", "vpo/pipeline/registry/versions.py", "vpo/pipeline/registry/hub.py"),
           cached=False, in_dvc=False),

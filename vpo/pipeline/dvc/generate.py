@@ -35,9 +35,17 @@ from typing import Any
 
 import yaml
 
-from vpo.pipeline.config import DEFAULT_PATH, PipelineConfig, load_pipeline, load_yaml, read_text
+from vpo.pipeline.config import (
+    DEFAULT_PATH,
+    PipelineConfig,
+    load_pipeline,
+    load_yaml,
+    pipeline_names,
+    read_text,
+)
 from vpo.pipeline.config.layout import RunLayout, arm_runs
 from vpo.pipeline.dvc.params import PARAMS_FILE, settings_digest, variant_settings
+from vpo.pipeline.engine.console import command
 from vpo.pipeline.engine.state import CODE_ROOT
 from vpo.pipeline.steps import Step, steps_of
 
@@ -105,6 +113,7 @@ def variants(config: str | Path = DEFAULT_PATH, names: Sequence[str] | None = No
     from vpo.pipeline.config.names import variant_name
 
     wanted = list(declared_variants(config) if names is None else names)
+    pipeline_names(config)  # a file that is not valid YAML or not a pipelines file: one ConfigError
     raw = load_yaml(read_text(Path(config)))
     known = {}
     for name, body in (raw.get("pipelines") or {}).items():
@@ -286,7 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             path.write_text(text, encoding="utf-8")
             print(f"wrote {path}")
     if stale:
-        print(f"stale: {', '.join(map(str, stale))}; run `vpo dvc` and commit them", file=sys.stderr)
+        print(f"stale: {', '.join(map(str, stale))}; run `{command('dvc')}` and commit them", file=sys.stderr)
         return 1
     if args.check:
         print(f"dvc.yaml and params.yaml are up to date (variants: {', '.join(names)})")

@@ -16,6 +16,7 @@ from typing import Any
 from vpo.pipeline.config.load import DEFAULT_PATH, apply_overrides, load_pipeline, validate
 from vpo.pipeline.config.schema import RUN_INDEPENDENT_ARM_KEYS, PipelineConfig
 from vpo.pipeline.config.source import ConfigError, Source, parse
+from vpo.pipeline.engine.console import command
 
 __all__ = ["PARAMS_FILE", "load_variant", "settings_digest", "variant_settings"]
 
@@ -96,7 +97,7 @@ def load_variant(variant: str, params_path: str | os.PathLike[str] = PARAMS_FILE
     if generated != settings_digest(variant_settings(pipeline)):
         raise ConfigError(loaded.path, variant, [("generated_from", (
             f"{loaded.path.name} was generated from another version of {source.name}'s pipeline {name!r}; "
-            f"regenerate it (and dvc.yaml) with `vpo dvc` so DVC stages run what {source.name} says"))])
+            f"regenerate it (and dvc.yaml) with `{command('dvc')}` so DVC stages run what {source.name} says"))])
     entry = _join_runs(entry, loaded, variant)
     cfg = validate(loaded, name, {**entry, "description": pipeline.description}, "params", line_prefix=[variant])
     cfg._quick = quick

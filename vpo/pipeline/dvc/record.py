@@ -60,6 +60,7 @@ def _normal(data: object) -> object:
 def unmanaged_reason(cfg: PipelineConfig, names: Sequence[str]) -> str | None:
     """Why DVC does not manage these stages of ``cfg`` (None: it does; record them)."""
     from vpo.pipeline.dvc.params import PARAMS_FILE, variant_settings
+    from vpo.pipeline.engine.console import command
 
     repo = cfg.base_dir
     if cfg.source_file is None:
@@ -79,7 +80,7 @@ def unmanaged_reason(cfg: PipelineConfig, names: Sequence[str]) -> str | None:
         return f"{params} is unreadable ({exc})"
     if _normal(recorded) != _normal(variant_settings(cfg)):
         return (f"{params.name} does not hold this run's settings of {cfg.variant} (regenerate it with "
-                "`vpo dvc` after editing pipelines.yaml)")
+                f"`{command('dvc')}` after editing pipelines.yaml)")
     return None
 
 
@@ -95,6 +96,10 @@ def record_steps(cfg: PipelineConfig, steps: Sequence[Step]) -> bool:
     if reason is not None:
         detail(f"dvc.lock not updated: {reason}")
         return False
+    marker = _marker(cfg, steps)
+    if _recorded(cfg) == marker:
+        detail(f"dvc.lock: the {len(names)} stages are recorded as they are (nothing ran since the last dvc commit)")
+        return True
     env = {**os.environ, "DVC_NO_ANALYTICS": "1"}
     proc = subprocess.run(dvc_command("commit", "--force", *names), cwd=cfg.base_dir, env=env,
                           capture_output=True, text=True, check=False)
@@ -105,4 +110,46 @@ def record_steps(cfg: PipelineConfig, steps: Sequence[Step]) -> bool:
         log(f"warning: could not record the stages in dvc.lock ({error}); `dvc repro` will run them again")
         return False
     log(f"dvc.lock: recorded {len(names)} stages (dvc commit), so `dvc repro` re-runs nothing")
+    _remember(cfg, _marker(cfg, steps))
     return True
+
+
+def _marker_path(cfg: PipelineConfig) -> Path:
+    from vpo.pipeline.config.layout import RunLayout
+
+    return RunLayout.of(cfg).root / ".dvc-recorded.json"
+
+
+def _marker(cfg: PipelineConfig, steps: Sequence[Step]) -> dict[str, object]:
+    """What a ``dvc commit`` of ``steps`` records: the DVC files and each step's own record (its
+    settings, code and input hashes and output digest). Equal to the last commit's: nothing to do."""
+    from vpo.pipeline.config import PARAMS_FILE
+    from vpo.pipeline.config.layout import RunLayout
+
+    layout = RunLayout.of(cfg)
+    files = {name: _sha256(cfg.base_dir / name) for name in ("dvc.yaml", "dvc.lock", PARAMS_FILE)}
+    return {"files": files, "steps": {s.dvc_name(cfg.variant): _sha256(layout.state_file(s.stage.name, s.rid))
+                                      for s in steps}}
+
+
+def _sha256(path: Path) -> str | None:
+    from vpo.pipeline.engine.state import file_sha256
+
+    return file_sha256(path) if path.is_file() else None
+
+
+def _recorded(cfg: PipelineConfig) -> object:
+    try:
+        return json.loads(_marker_path(cfg).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _remember(cfg: PipelineConfig, marker: dict[str, object]) -> None:
+    from vpo.atomic import atomic_write_json
+    from vpo.pipeline.engine.console import detail
+
+    try:
+        atomic_write_json(_marker_path(cfg), marker)
+    except OSError as exc:  # the next run commits again: slower, never wrong
+        detail(f"dvc.lock: could not remember what was recorded ({exc})")

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any, Self, TextIO
 
 __all__ = ["PLAIN_BAR_INTERVAL_S", "Bar", "command", "current_stage", "detail", "format_numbers", "interrupted",
-           "log", "log_file", "progress", "quiet_libraries", "relay", "session", "shown_path", "stage_done", "stage_started",
-           "table", "warning_count"]
+           "last_log_file", "log", "log_file", "mean_std", "progress", "quiet_libraries", "relay", "session", "shown_path",
+           "stage_done", "stage_started", "table", "tool", "warning_count"]
 
 PREFIX = "[vpo]"
 PLAIN_BAR_INTERVAL_S = 10.0
@@ -48,6 +48,8 @@ class _State:
         self.stage: str | None = None
         self.warnings = 0
         self.bar_open = False
+        self.live_bar: Any = None  # the tqdm bar drawn on the terminal now, redrawn below other lines
+        self.last_path: Path | None = None
 
 
 _S = _State()
@@ -66,10 +68,16 @@ def _to_file(text: str) -> None:
 
 
 def _to_console(text: str) -> None:
+    """A line on the console; a bar being drawn in place is cleared first and drawn again below it
+    (the line would otherwise start where the bar ends)."""
     with _WRITE:
-        out = _out()
+        out, bar = _out(), _S.live_bar
+        if bar is not None:
+            bar.clear()
         out.write(text if text.endswith("\n") else text + "\n")
         out.flush()
+        if bar is not None:
+            bar.refresh()
 
 
 def log(msg: str) -> None:
@@ -100,6 +108,7 @@ def table(text: str) -> None:
 def interrupted(how_to_resume: str, why: str = "interrupted") -> None:
     """The one line a Ctrl-C (or SIGTERM: ``why`` "stopped by SIGTERM") prints, after ending a
     half-drawn bar."""
+    _S.live_bar = None  # the bar stops where it is: the line goes below it
     if _S.bar_open:
         _to_console("")
     where = f" during {_S.stage}" if _S.stage else ""
@@ -126,12 +135,21 @@ def command(*words: str) -> str:
     return " ".join([head, *(shlex.quote(w) for w in words)])
 
 
+def tool(name: str, *words: str) -> str:
+    """A command of a tool installed beside this interpreter (``dvc``, ``prefect``, ``gto``) that runs as
+    printed from the current folder with no virtualenv activated: ``.venv/bin/dvc push`` in a checkout."""
+    exe = Path(sys.executable).with_name(name)
+    head = shown_path(exe) if exe.is_file() else name
+    return " ".join([shlex.quote(head), *(shlex.quote(w) for w in words)])
+
+
 def shown_path(path: str | os.PathLike[str]) -> str:
-    """A path as a console line shows it: relative to the current folder, absolute where it cannot be."""
+    """``path`` relative to the current folder when it is inside it, else absolute."""
     try:
-        return os.path.relpath(path)
+        rel = os.path.relpath(path)
     except ValueError:
         return str(path)
+    return str(path) if rel.startswith("..") else rel
 
 
 def stage_started(label: str, why: str, verb: str = "running") -> None:
@@ -156,6 +174,11 @@ def log_file() -> Path | None:
     return _S.path
 
 
+def last_log_file() -> Path | None:
+    """The log file of the session open now, else of the last one this process opened."""
+    return _S.path or _S.last_path
+
+
 def warning_count() -> int:
     """Warnings and errors that libraries logged into the session's file (not shown on the console)."""
     return _S.warnings
@@ -172,6 +195,11 @@ def format_numbers(numbers: Mapping[str, float | None]) -> str:
         else:
             parts.append(f"{name} {value:.3g}" if abs(value) >= 1000 else f"{name} {value:.3f}")
     return "  ".join(parts)
+
+
+def mean_std(value: Mapping[str, float], runs: int) -> str:
+    """``0.412 ± 0.019`` over several runs; ``0.412`` for one run, whose spread is no number at all."""
+    return f"{value['mean']:.3f}" + (f" ± {value['std']:.3f}" if runs > 1 else "")
 
 
 class Bar:
@@ -194,6 +222,7 @@ class Bar:
             self._tqdm = _tqdm_class()(total=self.total, initial=self.n, desc=desc, unit=unit, file=out, leave=True,
                                        dynamic_ncols=True, bar_format="{desc}: {percentage:3.0f}%|{bar:20}| "
                                        "{n_fmt}/{total_fmt} [{elapsed}<{remaining}]  {numbers}")
+            _S.live_bar = self._tqdm
         _S.bar_open = True
 
     def _postfix(self) -> str:
@@ -241,6 +270,8 @@ class Bar:
         self._closed = True
         _S.bar_open = False
         if self._tqdm is not None:
+            if _S.live_bar is self._tqdm:
+                _S.live_bar = None
             self._tqdm.close()
         else:
             _to_console(self.line())
@@ -316,7 +347,9 @@ class _CountingHandler(logging.Handler):
 
 def quiet_libraries() -> None:
     """Switch off the progress bars libraries draw for every model load and save (weights loading,
-    shard writing, dataset maps); our own bars say what is going on."""
+    shard writing, dataset maps); our own bars say what is going on. Called when a stage that loads
+    models starts (:meth:`vpo.pipeline.steps.Stage.run`), not when a session opens: a command that
+    finds every stage up to date imports no ML library for it."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     if "transformers" in sys.modules or _importable("transformers"):
         from transformers.utils import logging as tlog
@@ -348,7 +381,7 @@ def session(path: Path | None, *, defer_tables: bool = False) -> Iterator[Path |
     path.parent.mkdir(parents=True, exist_ok=True)
     fh = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed below)
     old_out, old_err = sys.stdout, sys.stderr
-    _S.file, _S.path, _S.console = fh, path, old_out
+    _S.file, _S.path, _S.console, _S.last_path = fh, path, old_out, path
     _S.defer_tables, _S.warnings, _S.stage = defer_tables, 0, None
     root = logging.getLogger()
     old_level = root.level
@@ -369,7 +402,6 @@ def session(path: Path | None, *, defer_tables: bool = False) -> Iterator[Path |
     sys.stdout, sys.stderr = _Tee(old_out), _Tee(old_err)
     fh.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(sys.argv)}\n")
     try:
-        quiet_libraries()
         yield path
     except Exception:  # the traceback goes to the file too (the console gets it from the interpreter)
         fh.write(traceback.format_exc())

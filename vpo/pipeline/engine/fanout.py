@@ -56,7 +56,7 @@ def _pump(child: _Child) -> None:
     label = child.label
     for raw in iter(child.proc.stdout.readline, b""):
         line = raw.decode("utf-8", "replace").rstrip("\n").split("\r")[-1].rstrip()
-        if not line or line.startswith('{"stage": '):  # `vpo stage`'s own JSON summary
+        if not line:
             continue
         child.tail.append(line)
         if line.startswith("error:"):

@@ -20,14 +20,22 @@ __all__ = ["load_rows", "read_json", "read_npy", "stage_command"]
 
 
 def stage_command(cfg: PipelineConfig, stage: str, rid: str | None = None) -> str:
-    """The command that (re)builds a stage's output of this variant, for error messages."""
+    """The command that (re)builds a stage's output of this variant, for error messages: it runs as
+    printed from the current folder (:func:`vpo.pipeline.engine.console.command`), with the settings of this
+    run (its config file, preset, variant and ``--set`` values)."""
     from vpo.pipeline.config.names import parse_run_id
+    from vpo.pipeline.engine.console import command, shown_path
 
-    cmd = f"vpo stage {stage} --pipeline {cfg.name}" + (" --quick" if cfg.quick else "")
+    words = list(cfg.cli_args())
+    for i, word in enumerate(words[:-1]):
+        if word in ("--config", "--params"):
+            words[i + 1] = shown_path(words[i + 1])
+    if words[:2] == ["--config", "pipelines.yaml"]:  # the default of every command
+        words = words[2:]
     if rid is not None:
         arm, seed = parse_run_id(rid)
-        cmd += f" --arm {arm} --seed {seed}"
-    return cmd
+        words += ["--arm", arm, "--seed", str(seed)]
+    return command("stage", stage, *words)
 
 
 def _unreadable(path: Path, exc: BaseException, fix: str) -> StageError:

@@ -18,8 +18,11 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["Terminated", "exit_code", "kill_group", "stop_all", "stop_on_signals", "stopping", "track", "tracked",
-           "untrack"]
+__all__ = ["CHILD_ENV", "STOP_SIGNALS", "Terminated", "children_stop_first", "exit_code", "kill_group", "stop_all", "stop_on_signals",
+           "stopping", "track", "tracked", "untrack"]
+
+CHILD_ENV = "VPO_TRAIN_LAUNCHED"
+"""Set in the processes ``accelerate launch`` starts for the train stage: they train, nothing else."""
 
 _CHILDREN: set[subprocess.Popen[Any]] = set()
 _GUARD = threading.Lock()
@@ -103,6 +106,42 @@ def stop_all(grace_s: float = 5.0) -> int:
     return len(running)
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def children_stop_first() -> Iterator[None]:
+    """Within the block SIGTERM, SIGHUP and SIGINT first stop every registered child (and mark the
+    command as stopping), then go on to the handler that was installed before the block -- whoever
+    installed it. A framework that runs this block may replace the command's own handler with one
+    that only raises (Prefect's flow engine turns SIGTERM into a crash or a cancellation, then waits
+    for its task threads); the stage processes those threads wait for must not outlive the signal."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: old for sig in STOP_SIGNALS if (old := signal.getsignal(sig)) != signal.SIG_IGN}
+
+    def handler(signum: int, frame: Any) -> None:
+        _STOPPING.set()
+        stop_all()
+        before = previous[signum]
+        if callable(before):
+            before(signum, frame)
+        elif before in (signal.SIG_DFL, None):
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise Terminated(signum)
+
+    for sig in previous:
+        signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            if signal.getsignal(sig) is handler:  # leave a handler someone installed meanwhile alone
+                signal.signal(sig, old)
+
+
 @contextlib.contextmanager
 def stop_on_signals(on_stop: Callable[[], None] | None = None) -> Iterator[None]:
     """Within the block SIGTERM and SIGHUP raise :class:`Terminated` and SIGINT ``KeyboardInterrupt``
@@ -122,7 +161,7 @@ def stop_on_signals(on_stop: Callable[[], None] | None = None) -> Iterator[None]
             raise KeyboardInterrupt
         raise Terminated(signum)
 
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
     try:
         yield
     finally:

@@ -183,7 +183,9 @@ def configure_dvc_remote(
         raise StorageError("refusing to write a remote URL that embeds credentials; use the AWS_* env vars")
     repo = Path(repo_dir)
     if not (repo / ".dvc").is_dir():
-        raise StorageError(f"{repo} is not a DVC repository (no .dvc/ folder); run `dvc init` first")
+        from vpo.pipeline.engine.console import tool
+
+        raise StorageError(f"{repo} is not a DVC repository (no .dvc/ folder); run `{tool('dvc', 'init')}` in it first")
     if not is_s3_url(url):
         if "://" in url:
             raise StorageError(f"unsupported DVC remote URL {url!r}: use a local path or s3://bucket/prefix")

@@ -17,8 +17,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from vpo.pipeline.config.layout import ArmRun, RunLayout
-from vpo.pipeline.engine.console import log
+from vpo.pipeline.engine.console import log, tool
 from vpo.pipeline.engine.errors import StageError
+from vpo.pipeline.engine.inputs import stage_command
 
 __all__ = ["estimator_uses", "hub_repo_id", "hub_token", "model_card", "push_runs"]
 
@@ -126,9 +127,18 @@ def model_card(entry: Any) -> str:
               f"- git revision: `{entry.git_rev or 'unknown'}`" + (" (uncommitted changes)" if entry.git_dirty else ""),
               f"- DVC/GTO artifact `{entry.artifact}`" + (f", version `{entry.version}`" if entry.version else " (unversioned)"),
               "", "## Use", "", "```bash",
-              (f"dvc artifacts get <repository> {entry.artifact} --rev {entry.version}" if entry.version else
-               f"vpo registry fetch {entry.artifact}@{entry.hash[:12]} ./model"), "```", ""]
+              *_use(entry), "```", ""]
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)))
+
+
+def _use(entry: Any) -> list[str]:
+    """The card's commands that get the model back, runnable as printed from a clone of the project
+    (its root folder) with no virtualenv activated; the registry URL comes with them when it is remote."""
+    registry = f" --registry {entry.registry_url}" if "://" in (entry.registry_url or "") else ""
+    fetch = f"bin/vpo registry fetch{registry} {entry.artifact}@{entry.version or entry.hash[:12]} ./model"
+    if not entry.version:
+        return [fetch]
+    return [fetch, f".venv/bin/dvc artifacts get . {entry.artifact} --rev {entry.version} -o ./model   # DVC alone"]
 
 
 def push_runs(cfg: Any, layout: RunLayout, runs: Sequence[ArmRun], hashes: Sequence[str]) -> list[str]:
@@ -140,7 +150,7 @@ def push_runs(cfg: Any, layout: RunLayout, runs: Sequence[ArmRun], hashes: Seque
     token = hub_token()
     repos = [hub_repo_id(tr.hub_model_id, r.rid) for r in runs]
     if not token:
-        log(f"push_to_hub: no Hugging Face token (set HF_TOKEN or run `hf auth login`); skipped uploading "
+        log(f"push_to_hub: no Hugging Face token (set HF_TOKEN or run `{tool('hf', 'auth', 'login')}`); skipped uploading "
             f"{len(repos)} run(s) to {tr.hub_model_id}-<run>")
         return []
     from huggingface_hub import HfApi
@@ -155,7 +165,7 @@ def push_runs(cfg: Any, layout: RunLayout, runs: Sequence[ArmRun], hashes: Seque
         except Exception as exc:  # noqa: BLE001 (HTTP, auth and network errors alike: one clear line)
             raise StageError(f"push_to_hub: uploading {run.rid} to {repo} failed ({exc.__class__.__name__}: "
                              f"{str(exc).splitlines()[0][:200] if str(exc) else ''}); the registry entry is "
-                             f"kept, run `vpo stage register` again to retry") from None
+                             f"kept, run `{stage_command(cfg, 'register')}` again to retry") from None
         done.append(repo)
     log(f"push_to_hub: uploaded {len(done)} run(s): {', '.join(done)}")
     return done

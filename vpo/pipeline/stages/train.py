@@ -44,15 +44,13 @@ from vpo.pipeline.engine.console import detail, format_numbers, log, progress
 from vpo.pipeline.engine.context import StageContext
 from vpo.pipeline.engine.errors import StageError
 from vpo.pipeline.engine.inputs import load_rows, stage_command
+from vpo.pipeline.engine.processes import CHILD_ENV
 from vpo.pipeline.engine.state import read_state, why_stale, write_state
 from vpo.pipeline.memory import check_plan
 from vpo.rewards import VectorReward
 
 __all__ = ["CHILD_ENV", "HEADLINE", "ConsoleProgressCallback", "HarmlessMissingKeysFilter", "ProgressFileCallback",
            "headline", "run"]
-
-CHILD_ENV = "VPO_TRAIN_LAUNCHED"
-"""Set in processes started by ``accelerate launch`` for this stage: they train, nothing else."""
 
 REQUEST_FILE = "request.json"
 
