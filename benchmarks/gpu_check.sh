@@ -88,9 +88,10 @@ for m in ("vpo", "vpo.memory_plan", "vpo.advantages", "deepspeed"):
         importlib.import_module(m)
     except Exception as exc:  # one line per module that does not import
         bad.append(f"{m} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
-print("; ".join(bad))
+print("import-check:" + "; ".join(bad))  # marked: DeepSpeed logs to stdout when imported
 EOF
 )"
+  bad="$(sed -n 's/^import-check://p' <<<"$bad")"
   [[ -z "$bad" ]] || die "installed from $wheels but cannot import: $bad"
 fi
 

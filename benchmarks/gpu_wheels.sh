@@ -21,7 +21,7 @@ limit=$((64 * 1024 * 1024))
 # DeepSpeed and what it imports that torch/transformers/accelerate/peft do not bring (numpy, packaging,
 # psutil, tqdm, torch come with those). Exact versions: the folder is the same whoever builds it.
 DEEPSPEED="deepspeed==0.19.8"
-BINARY=(msgpack==1.2.4 ninja==1.13.2 pydantic-core==2.50.2)
+BINARY=(msgpack==1.2.4 ninja==1.13.2 pydantic-core==2.50.5)
 PURE=(einops==0.8.2 hjson==3.1.0 py-cpuinfo==9.0.0 pydantic==2.14.4 annotated-types==0.8.0
       typing-inspection==0.4.5 typing-extensions==4.16.0)
 
