@@ -11,7 +11,6 @@ that fails makes the exit status non-zero with one line naming it.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
 import platform
@@ -24,6 +23,11 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # a checkout's own vpo, installed or not
+
+from vpo.requirements import installed_version
+
 STEP = "benchmarks/gpu_step.py"
 BUDGET = 480.0
 """Seconds the whole check may take on one H200-class GPU."""
@@ -103,13 +107,8 @@ def command(check: Check, python: str, part: Path, device: str) -> list[str]:
 
 
 def versions() -> dict[str, str | None]:
-    out: dict[str, str | None] = {"python": sys.version.split()[0]}
-    for name in LIBRARIES:
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = None
-    return out
+    """This interpreter's library versions (the report's, when no check ran to say them)."""
+    return {"python": sys.version.split()[0], **{name: installed_version(name) for name in LIBRARIES}}
 
 
 def run_check(check: Check, python: str, out: Path, device: str, timeout: float) -> dict[str, Any]:

@@ -51,7 +51,6 @@ if (REPO / "vpo" / "__init__.py").is_file() and str(REPO) not in sys.path:
 import argparse
 import contextlib
 import gc
-import importlib.metadata
 import importlib.util
 import json
 import os
@@ -80,6 +79,7 @@ from vpo.memory_plan import (
     scale_shape,
     shape_config,
 )
+from vpo.requirements import installed_version
 from vpo.rewards import VectorReward
 
 CONFIGS = REPO / "vpo" / "data" / "model_configs"
@@ -348,12 +348,7 @@ def matmul_peak(device: str, dtype: torch.dtype, n: int, repeats: int = 10) -> d
 
 def versions() -> dict[str, str | None]:
     """Installed versions of the libraries the step uses (None: not installed), CUDA and cuDNN."""
-    out: dict[str, str | None] = {"python": sys.version.split()[0]}
-    for dist in VERSIONS:
-        try:
-            out[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            out[dist] = None
+    out: dict[str, str | None] = {"python": sys.version.split()[0], **{d: installed_version(d) for d in VERSIONS}}
     out["torch_cuda"] = torch.version.cuda
     out["cudnn"] = str(torch.backends.cudnn.version()) if torch.cuda.is_available() else None
     return out
