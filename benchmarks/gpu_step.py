@@ -426,6 +426,7 @@ def _accelerator(args: argparse.Namespace, micro: int, accumulation: int) -> Any
         ds["train_batch_size"] = micro * accumulation * accelerator.num_processes
         if ds.get("gradient_clipping") == "auto":
             ds["gradient_clipping"] = 1.0
+        ds.setdefault("zero_allow_untested_optimizer", True)  # torch's AdamW, as TRL's trainer passes it
     return accelerator
 
 
