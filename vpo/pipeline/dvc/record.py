@@ -123,7 +123,7 @@ def _marker_path(cfg: PipelineConfig) -> Path:
 def _marker(cfg: PipelineConfig, steps: Sequence[Step]) -> dict[str, object]:
     """What a ``dvc commit`` of ``steps`` records: the DVC files and each step's own record (its
     settings, code and input hashes and output digest). Equal to the last commit's: nothing to do."""
-    from vpo.pipeline.config import PARAMS_FILE
+    from vpo.pipeline.dvc.params import PARAMS_FILE
     from vpo.pipeline.config.layout import RunLayout
 
     layout = RunLayout.of(cfg)
