@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 
-try:  # tests/ is on sys.path (rootdir-relative conftest, no package)
-    from s3_fixture import S3Server, s3_bucket, s3_server
-except ModuleNotFoundError:  # tests/ turned into a package
-    from tests.s3_fixture import S3Server, s3_bucket, s3_server  # noqa: F401
+if TYPE_CHECKING:
+    from tests.support.repos import FlowResult, QuickRun
+    from tests.support.s3 import S3Server
+
+pytest_plugins = ["tests.support.s3"]  # the s3_server and s3_bucket fixtures
 
 _ENV_DEFAULTS = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -34,7 +38,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(pytest.mark.xdist_group(group))
 
 
-from collections.abc import Iterator
+@pytest.fixture(autouse=True, scope="module")
+def _close_shared_sandboxes() -> Iterator[None]:
+    """The code task's rewards share one sandbox pool per process (its fork servers are reused): close
+    it when a test module ends, so no module's sandbox processes outlive its tests."""
+    yield
+    code = sys.modules.get("vpo.tasks.code")
+    if code is not None:
+        code.close_shared_sandboxes()
 
 
 @pytest.fixture(scope="session")
@@ -49,12 +60,25 @@ def prefect_api() -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def quick_flow(prefect_api: str, s3_server: S3Server, tmp_path_factory: pytest.TempPathFactory) -> object:
+def quick_flow(prefect_api: str, s3_server: S3Server, tmp_path_factory: pytest.TempPathFactory
+               ) -> Iterator[FlowResult]:
     """The retrain flow run once on the quick preset (S3 remote + registry, one injected task
-    failure); shared by test_flows.py and test_dvc_pipeline.py (see flows_fixtures.run_quick_flow)."""
-    try:
-        from flows_fixtures import run_quick_flow
-    except ModuleNotFoundError:  # tests/ turned into a package
-        from tests.flows_fixtures import run_quick_flow
+    failure; tests/support/repos.py run_quick_flow), shared by the flow, DVC and registry tests.
+    Read-only like ``quick_repo``: the session fails if a file of its repository changed."""
+    from tests.support.repos import run_quick_flow
 
-    return run_quick_flow(tmp_path_factory.mktemp("flow"), s3_server)
+    result = run_quick_flow(tmp_path_factory.mktemp("flow"), s3_server)
+    yield result
+    result.check_untouched()
+
+
+@pytest.fixture(scope="session")
+def quick_repo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[QuickRun]:
+    """`vpo run --quick` run once per test session in a git + DVC copy of the project (see
+    tests/support/repos.py build_quick_repo). Read-only: a test that writes copies it first
+    (``quick_repo.copy(tmp_path / "repo")``); the session fails if a file of it changed."""
+    from tests.support.repos import build_quick_repo
+
+    built = build_quick_repo(tmp_path_factory.mktemp("quick"))
+    yield built
+    built.check_untouched()

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.test_faults_support import (
+from tests.support.faults import (
     RUN_NAME,
     copy_prepared,
     load_cfg,

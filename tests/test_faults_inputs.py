@@ -23,7 +23,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.test_faults_support import (
+from tests.support.faults import (
     RUN_NAME,
     copy_prepared,
     load_cfg,
@@ -273,7 +273,7 @@ def test_broken_reward_through_the_trainer(
 
 def test_broken_reward_in_evaluation_names_the_problem() -> None:
     """Evaluation validates every scored answer too."""
-    from tests.test_faults_support import BadRewardTask
+    from tests.support.faults import BadRewardTask
     from vpo.evaluate import score_completions
     from vpo.rewards import RewardError
 

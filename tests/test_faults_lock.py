@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_faults_support import RUN_NAME, run_vpo, write_pipelines
+from tests.support.faults import RUN_NAME, run_vpo, write_pipelines
 from vpo.pipeline.locking import LockBusyError, arm_lock_path, pipeline_lock, read_holder
 
 HOLDER = """
