@@ -184,10 +184,10 @@ def _log_path(args: argparse.Namespace, cfg: Any) -> Any:
     their output reaches the parent's console and log)."""
     import time
 
+    from vpo.pipeline.execution import LAUNCHED_ENV
     from vpo.pipeline.layout import RunLayout
-    from vpo.pipeline.stages.train import CHILD_ENV
 
-    if os.environ.get(CHILD_ENV):
+    if os.environ.get(LAUNCHED_ENV):
         return None
     command = "run" if args.cmd == "run" else "-".join(
         ["stage", args.name, *([args.arm] if args.arm else []), *([f"s{args.seed}"] if args.seed is not None else [])])
@@ -218,11 +218,11 @@ def _closing_line() -> None:
 
 
 def _stage(args: argparse.Namespace, cfg: Any) -> int:
+    from vpo.pipeline.execution import LAUNCHED_ENV
     from vpo.pipeline.graph import plan
     from vpo.pipeline.layout import RunLayout
     from vpo.pipeline.locking import pipeline_lock
     from vpo.pipeline.runner import run_step
-    from vpo.pipeline.stages.train import CHILD_ENV
 
     steps = plan(cfg, [args.name])
     if args.name == "search" and args.arm is not None and args.seed is None:
@@ -236,7 +236,7 @@ def _stage(args: argparse.Namespace, cfg: Any) -> int:
             _fail(f"no enabled arm {args.arm!r} with seed {args.seed} in pipeline {cfg.name!r}; "
                   f"arms: {', '.join(a.name for a in cfg.enabled_arms)}")
     layout = RunLayout.of(cfg)
-    if os.environ.get(CHILD_ENV) and args.name == "train":  # a process started by `accelerate launch`
+    if os.environ.get(LAUNCHED_ENV) and args.name == "train":  # a process started by `accelerate launch`
         from vpo.pipeline.context import StageContext
         from vpo.pipeline.stages.train import train
 

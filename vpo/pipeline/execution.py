@@ -33,8 +33,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from vpo.pipeline.config import PipelineConfig
 
-__all__ = ["THREADS_ENV", "ExecutionPlan", "Machine", "Slot", "execution_plan", "stage_threads", "torch_threads"]
+__all__ = ["LAUNCHED_ENV", "THREADS_ENV", "ExecutionPlan", "Machine", "Slot", "execution_plan", "stage_threads", "torch_threads"]
 
+LAUNCHED_ENV = "VPO_TRAIN_LAUNCHED"
+"""Set in the processes `accelerate launch` started for a train stage (they train; the parent only
+launched them)."""
 THREADS_ENV = "VPO_STAGE_THREADS"
 """Set by a parent that runs stages concurrently: the torch threads of the stage process it starts."""
 

@@ -9,6 +9,7 @@ the stage's fingerprint (:mod:`vpo.pipeline.state`) and its DVC deps.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +17,6 @@ from typing import Any
 from vpo.pipeline.config import PipelineConfig
 from vpo.pipeline.context import StageContext
 from vpo.pipeline.layout import ArmRun, arm_runs
-from vpo.pipeline.stages import base, data, evaluate, register, rewards, search, train
 
 __all__ = ["STAGES", "Stage", "Step", "plan", "stage"]
 
@@ -25,11 +25,11 @@ _LIB = ("vpo/rewards.py", "vpo/answers.py", "vpo/tasks/__init__.py")
 
 @dataclass(frozen=True)
 class Stage:
-    """One stage: its function and what it depends on."""
+    """One stage: its module (``vpo/pipeline/stages/<name>.py``, imported when the stage runs, so
+    commands that only read the table start without torch) and what it depends on."""
 
     name: str
     summary: str
-    run: Callable[[StageContext], dict[str, Any]]
     inputs: tuple[str, ...] = ()
     params: tuple[str, ...] = ()
     code: tuple[str, ...] = ()
@@ -45,6 +45,11 @@ class Stage:
     # scratch: resume state inside the output, deleted once the output is recorded.
 
     @property
+    def run(self) -> Callable[[StageContext], dict[str, Any]]:
+        """The stage's ``run(ctx)`` function."""
+        return importlib.import_module(f"vpo.pipeline.stages.{self.name}").run
+
+    @property
     def code_files(self) -> tuple[str, ...]:
         """The stage's module, the shared library files and its own dependencies."""
         return (f"vpo/pipeline/stages/{self.name}.py", *_LIB, *self.code)
@@ -52,26 +57,26 @@ class Stage:
 
 STAGES: tuple[Stage, ...] = (
     Stage("data", "build the dataset version from the task, validate it (great_expectations), write parquet",
-          data.run, params=("task", "dataset"), code=("vpo/pipeline/validation.py",), volatile=("validation.json",)),
+          params=("task", "dataset"), code=("vpo/pipeline/validation.py",), volatile=("validation.json",)),
     Stage("rewards", "score reference answers into reward vectors and validate them",
-          rewards.run, inputs=("data",), params=("seed", "task", "dataset"), code=("vpo/pipeline/validation.py",),
+          inputs=("data",), params=("seed", "task", "dataset"), code=("vpo/pipeline/validation.py",),
           volatile=("validation.json",)),
     Stage("base", "the starting policy: the embedded model trained by SFT, or a hub/local model",
-          base.run, params=("seed", "task", "model", "sft"), code=("vpo/sft.py", "vpo/tiny.py"),
+          params=("seed", "task", "model", "sft"), code=("vpo/sft.py", "vpo/tiny.py"),
           volatile=("summary.json", "sft_metrics.json")),
     Stage("train", "train one arm run (estimator x seed) from the base; resumes from checkpoints",
-          train.run, inputs=("data", "rewards", "base"), params=("task", "trainer", "arm"),
+          inputs=("data", "rewards", "base"), params=("task", "trainer", "arm"),
           code=("vpo/pipeline/settings.py", "vpo/pipeline/checkpoints.py", "vpo/trainer.py", "vpo/advantages.py",
                 "vpo/metrics.py"),
           per_run=True, volatile=("progress.json", "live", "tensorboard", "metrics.json", "history.json"), scratch=("trainer",)),
     Stage("evaluate", "best@k, pass@k, E_w[best@k], diversity of the base and every arm run",
-          evaluate.run, inputs=("data", "base", "train"),
+          inputs=("data", "base", "train"),
           params=("task", "arms", "trainer.max_completion_length", "evaluation"),
           code=("vpo/evaluate.py", "vpo/generation.py", "vpo/metrics.py"),
           volatile=("metrics.json", "summary.json", "curves.json", "table.md", "best_at_k.png",
                     "learning_curves.png")),
     Stage("search", "evolutionary search (and best-of-k) with each arm's first-seed checkpoint",
-          search.run, inputs=("data", "evaluate", "train"),
+          inputs=("data", "evaluate", "train"),
           params=("seed", "task", "arms", "trainer.max_completion_length", "evaluation.split",
                   "evaluation.max_problems", "search"),
           code=("vpo/search/__init__.py", "vpo/search/loop.py", "vpo/search/database.py", "vpo/search/proposer.py",
@@ -79,7 +84,7 @@ STAGES: tuple[Stage, ...] = (
                 "vpo/evaluate.py", "vpo/metrics.py"),
           optional=True, scratch=("checkpoints",)),
     Stage("register", "register every arm checkpoint (content hash, lineage, metrics) in the registry",
-          register.run, inputs=("train", "evaluate"), params=("storage",),
+          inputs=("train", "evaluate"), params=("storage",),
           code=("vpo/pipeline/registry/__init__.py", "vpo/pipeline/registry/entries.py",
                 "vpo/pipeline/registry/store.py", "vpo/pipeline/registry/versions.py", "vpo/pipeline/hub.py"),
           cached=False, in_dvc=False),

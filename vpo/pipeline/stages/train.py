@@ -42,16 +42,16 @@ from vpo.pipeline.checkpoints import check_model_dir, checkpoint_step, latest_ch
 from vpo.pipeline.console import detail, format_numbers, log, progress
 from vpo.pipeline.context import StageContext
 from vpo.pipeline.errors import StageError
+from vpo.pipeline.execution import LAUNCHED_ENV
 from vpo.pipeline.inputs import load_rows, stage_command
 from vpo.pipeline.plan import check_plan
 from vpo.pipeline.settings import batch_plan, peft_config, vpo_config_kwargs
 from vpo.pipeline.state import read_state, why_stale, write_state
 from vpo.rewards import VectorReward
 
-__all__ = ["CHILD_ENV", "HEADLINE", "ConsoleProgressCallback", "HarmlessMissingKeysFilter", "ProgressFileCallback",
+__all__ = ["HEADLINE", "ConsoleProgressCallback", "HarmlessMissingKeysFilter", "ProgressFileCallback",
            "headline", "run"]
 
-CHILD_ENV = "VPO_TRAIN_LAUNCHED"
 """Set in processes started by ``accelerate launch`` for this stage: they train, nothing else."""
 
 REQUEST_FILE = "request.json"
@@ -363,7 +363,7 @@ def train(ctx: StageContext) -> dict[str, Any]:
     out = layout.arm(rid)
     trainer_dir = layout.arm_trainer(rid)
     out.mkdir(parents=True, exist_ok=True)
-    if os.environ.get(CHILD_ENV) is None:
+    if os.environ.get(LAUNCHED_ENV) is None:
         _fresh_checkpoints(ctx, trainer_dir)
     resume = latest_checkpoint(trainer_dir)
     if resume is not None and (checkpoint_step(resume) or 0) >= run.arm.max_steps:
@@ -448,7 +448,7 @@ def _launch(ctx: StageContext, argv: Sequence[str]) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config_file,
            "-m", "vpo.pipeline.cli", *argv]
     log(f"{ctx.arm_run.rid}: launching `accelerate launch --config_file {cfg.trainer.accelerate_config}`")
-    proc = subprocess.run(cmd, env={**os.environ, CHILD_ENV: "1"}, check=False)
+    proc = subprocess.run(cmd, env={**os.environ, LAUNCHED_ENV: "1"}, check=False)
     if proc.returncode != 0:
         raise StageError(f"{ctx.arm_run.rid}: `accelerate launch` exited with {proc.returncode} (see its output "
                          f"above; trainer.accelerate_config = {cfg.trainer.accelerate_config})")
@@ -464,9 +464,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
     from vpo.pipeline.stages.base import check_tokenizer
 
     check_tokenizer(AutoTokenizer.from_pretrained(str(layout.base)), f"base model {layout.base}")
-    if os.environ.get(CHILD_ENV) is None:
+    if os.environ.get(LAUNCHED_ENV) is None:
         log(f"{ctx.arm_run.rid}: batch {batch_plan(cfg, ctx.arm_run.arm).describe()}")
-    if cfg.trainer.accelerate_config and os.environ.get(CHILD_ENV) is None:
+    if cfg.trainer.accelerate_config and os.environ.get(LAUNCHED_ENV) is None:
         _fresh_checkpoints(ctx, layout.arm_trainer(ctx.arm_run.rid))
         return _launch(ctx, ["stage", "train", *cfg.cli_args(), "--arm", ctx.arm_run.arm.name,
                              "--seed", str(ctx.arm_run.seed)])
