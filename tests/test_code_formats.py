@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,10 @@ from vpo.tasks.code_formats import (
     select_tests,
 )
 
-linux_only = pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="the sandbox needs Linux")
+
+def linux_only(test: Callable[..., None]) -> Callable[..., None]:
+    """A test that starts real sandboxes (Linux only)."""
+    return pytest.mark.sandbox(pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="the sandbox needs Linux")(test))
 
 
 def write_jsonl(path: Path, records: list[dict]) -> Path:

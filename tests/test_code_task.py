@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,10 @@ from vpo.sandbox import Job, Sandbox, SandboxConfig, TestCase, private_view_avai
 from vpo.tasks import get_task
 from vpo.tasks.code import EMBEDDED_PROBLEMS, CodeTask, CodeTestsReward, row_tests
 
-linux_only = pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="the sandbox needs Linux")
+
+def linux_only(test: Callable[..., None]) -> Callable[..., None]:
+    """A test that starts real sandboxes (Linux only)."""
+    return pytest.mark.sandbox(pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="the sandbox needs Linux")(test))
 
 
 # where no sandbox can hide files (no namespaces), scoring a task whose source must be hidden is

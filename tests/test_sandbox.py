@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
@@ -26,7 +27,10 @@ from vpo.sandbox import (
 from vpo.sandbox._harness import CodecError
 from vpo.sandbox.compare import judge_value, render_value
 
-linux_only = pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="the sandbox needs Linux")
+
+def linux_only(test: Callable[..., None]) -> Callable[..., None]:
+    """A test that starts real sandboxes (Linux only)."""
+    return pytest.mark.sandbox(pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="the sandbox needs Linux")(test))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from accelerate.utils import gather, gather_object
 from trl import GRPOConfig, GRPOTrainer
 
 from vpo.advantages import (
+    EstimatorInputs,
     RewardBatch,
     get_estimator,
     present_dims,
@@ -225,6 +226,7 @@ class VPOTrainer(SharedPrefixMixin, GRPOTrainer):
         if self._w_star.shape != (reward.dim,):
             raise ValueError(f"w_star has {self._w_star.shape[0]} entries, the reward has {reward.dim} dimensions")
         self._estimator = get_estimator(args.estimator)
+        self._estimator_inputs = EstimatorInputs.from_config(args, w_star=self._w_star)
         if args.estimator != "vpo":  # a baseline arm: the card and tags name the estimator it trained with
             self._name = f"the {args.estimator} estimator of the VPO trainer"
             self._tag_names = ("trl", "vpo", args.estimator)
@@ -311,12 +313,9 @@ class VPOTrainer(SharedPrefixMixin, GRPOTrainer):
         gen = self._generator(mode)
         log_gen = torch.Generator()
         log_gen.set_state(gen.get_state())  # vpo/* metrics redraw the very weights the estimator uses
-        adv = self._estimator(batch, gidx, weights=self._vpo_row_weights if self._row_weights_column else None,
-                              num_weights=self.args.num_weights, alpha=self.args.weight_alpha,
-                              sampler=self.args.weight_sampler, generator=gen, eps=self.args.advantage_eps,
-                              w_star=self._w_star, k=self.args.max_at_k_k, prompt_ids=self._vpo_prompt_ids,
-                              seed=self.args.seed, scale_rewards=self.scale_rewards,
-                              aggregation=self.multi_objective_aggregation)
+        adv = self._estimator(batch, gidx, self._estimator_inputs.for_batch(
+            generator=gen, prompt_ids=self._vpo_prompt_ids,
+            weights=self._vpo_row_weights if self._row_weights_column else None))
         self.last_advantages = adv.clone()
         n_local = out["prompt_ids"].size(0)
         start = self.accelerator.process_index * n_local

@@ -21,6 +21,8 @@ from vpo.pipeline.layout import ArmRun, arm_runs
 __all__ = ["STAGES", "Stage", "Step", "plan", "stage"]
 
 _LIB = ("vpo/rewards.py", "vpo/answers.py", "vpo/tasks/__init__.py")
+_ADVANTAGES = ("vpo/advantages/__init__.py", "vpo/advantages/batching.py", "vpo/advantages/estimators.py",
+               "vpo/advantages/registry.py", "vpo/advantages/weights.py")
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ STAGES: tuple[Stage, ...] = (
           volatile=("summary.json", "sft_metrics.json")),
     Stage("train", "train one arm run (estimator x seed) from the base; resumes from checkpoints",
           inputs=("data", "rewards", "base"), params=("task", "trainer", "arm"),
-          code=("vpo/pipeline/settings.py", "vpo/pipeline/checkpoints.py", "vpo/trainer.py", "vpo/advantages.py",
+          code=("vpo/pipeline/settings.py", "vpo/pipeline/checkpoints.py", "vpo/trainer.py", *_ADVANTAGES,
                 "vpo/metrics.py"),
           per_run=True, volatile=("progress.json", "live", "tensorboard", "metrics.json", "history.json"), scratch=("trainer",)),
     Stage("evaluate", "best@k, pass@k, E_w[best@k], diversity of the base and every arm run",

@@ -13,7 +13,6 @@ DVC's hash of the train output), so an upload of that folder carries it. Without
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -40,11 +39,10 @@ def hub_repo_id(prefix: str, rid: str) -> str:
 
 
 def estimator_uses(estimator: str) -> set[str]:
-    """The keyword settings an advantage estimator uses, as its docstring names them ("Uses a, b.")."""
+    """The inputs an advantage estimator reads, as it declares them when it registers."""
     from vpo.advantages import get_estimator
 
-    found = re.search(r"Uses ((?:\w+, )*\w+)", " ".join((get_estimator(estimator).__doc__ or "").split()))
-    return set(found.group(1).split(", ")) if found else set()
+    return set(get_estimator(estimator).uses)
 
 
 def _get(data: Any, *keys: str) -> Any:

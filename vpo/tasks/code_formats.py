@@ -47,6 +47,7 @@ import io
 import json
 import logging
 import pickle
+import sys
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -504,10 +505,6 @@ class _Rename(ast.NodeTransformer):
         return node
 
 
-def _uses_candidate(node: ast.AST) -> bool:
-    return any(isinstance(n, ast.Name) and n.id == CANDIDATE for n in ast.walk(node))
-
-
 def _bound_names(tree: ast.AST) -> set[str]:
     """Names the test source binds itself (assignments, loop variables, helper functions)."""
     out: set[str] = set()
@@ -528,6 +525,242 @@ _STEP_TEMPLATE = ast.parse(
 ).body[0]
 
 
+# -- which statements a verdict depends on: names that carry the candidate or its results
+
+_DYNAMIC = {"eval", "exec", "locals", "globals", "vars", "__import__", "compile", "breakpoint"}
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)
+_COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)
+
+
+def _loads(node: ast.AST | None) -> set[str]:
+    """Names ``node`` reads, but those a comprehension or lambda inside it binds for itself."""
+    if node is None:
+        return set()
+    if isinstance(node, ast.Name):
+        return {node.id} if isinstance(node.ctx, ast.Load) else set()
+    if isinstance(node, _COMPREHENSIONS + (ast.Lambda,)):
+        inner = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        if isinstance(node, ast.Lambda):
+            own = {a.arg for a in ast.walk(node.args) if isinstance(a, ast.arg)}
+            return (inner - own) | set().union(*(_loads(d) for d in node.args.defaults + node.args.kw_defaults))
+        own = {n.id for g in node.generators for n in ast.walk(g.target) if isinstance(n, ast.Name)}
+        return (inner - own) | _loads(node.generators[0].iter)
+    out: set[str] = set()
+    for child in ast.iter_child_nodes(node):
+        out |= _loads(child)
+    return out
+
+
+def _targets(node: ast.AST | None) -> set[str]:
+    """The names an assignment target binds or changes: ``x``, ``x, y`` and the object under a
+    subscript or attribute (``d`` of ``d[k] = v``, ``o`` of ``o.a.b = v``)."""
+    if node is None:
+        return set()
+    if isinstance(node, ast.Name):
+        return {node.id}
+    if isinstance(node, (ast.Tuple, ast.List)):
+        return set().union(*(_targets(e) for e in node.elts)) if node.elts else set()
+    if isinstance(node, ast.Starred):
+        return _targets(node.value)
+    if isinstance(node, (ast.Subscript, ast.Attribute)):
+        return _targets(node.value)
+    return set()
+
+
+def _exposed(stmts: Sequence[ast.stmt], defined: frozenset[str] = frozenset()) -> set[str]:
+    """Names these statements may read before assigning them themselves (what they take from
+    the statements before them). Function and class bodies count whole: they run when called."""
+    out: set[str] = set()
+    d = set(defined)
+    for s in stmts:
+        if isinstance(s, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = s.targets if isinstance(s, ast.Assign) else [s.target]
+            out |= _loads(s.value) - d
+            for t in targets:
+                out |= (_loads(t) | (_targets(t) if isinstance(s, ast.AugAssign) else set())) - d
+                if isinstance(t, (ast.Name, ast.Tuple, ast.List)) and not isinstance(s, ast.AugAssign):
+                    d |= _targets(t)
+        elif isinstance(s, (ast.For, ast.AsyncFor)):
+            out |= (_loads(s.iter) | _loads(s.target)) - d
+            out |= _exposed(s.body, frozenset(d | _targets(s.target))) | _exposed(s.orelse, frozenset(d))
+        elif isinstance(s, (ast.While, ast.If)):
+            out |= _loads(s.test) - d
+            out |= _exposed(s.body, frozenset(d)) | _exposed(s.orelse, frozenset(d))
+        elif isinstance(s, (ast.With, ast.AsyncWith)):
+            inner = set(d)
+            for item in s.items:
+                out |= _loads(item.context_expr) - d
+                inner |= _targets(item.optional_vars)
+            out |= _exposed(s.body, frozenset(inner))
+        elif isinstance(s, ast.Try) or type(s).__name__ == "TryStar":
+            out |= _exposed(s.body, frozenset(d)) | _exposed(s.orelse, frozenset(d)) | _exposed(s.finalbody, frozenset(d))
+            for h in s.handlers:
+                out |= _loads(h.type) - d
+                out |= _exposed(h.body, frozenset(d | ({h.name} if h.name else set())))
+        elif isinstance(s, (ast.Import, ast.ImportFrom)):
+            d |= {(a.asname or a.name).split(".")[0] for a in s.names}
+        elif isinstance(s, _SCOPES):
+            out |= {n.id for n in ast.walk(s) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)} - d
+            d.add(s.name)
+        else:
+            out |= _loads(s) - d
+    return out
+
+
+def _flows(stmt: ast.stmt, tainted: set[str]) -> set[str]:
+    """The names ``stmt`` leaves holding something derived from ``tainted`` names (the candidate
+    or its results): assigned from them, passed to them (a call may change its arguments in
+    place: ``candidate(a)``), given their values (``out.append(r)``), or functions and classes
+    that use them. Computed to a fixed point over the statement (loops feed themselves)."""
+    t, hit = set(tainted), set()
+    while True:
+        before = (len(t), len(hit))
+        for n in ast.walk(stmt):
+            if isinstance(n, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.NamedExpr)) and n.value is not None:
+                targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+                if _loads(n.value) & t:
+                    for tg in targets:
+                        hit |= _targets(tg)
+            elif isinstance(n, (ast.For, ast.AsyncFor, ast.comprehension)):
+                if _loads(n.iter) & t:
+                    hit |= _targets(n.target)
+            elif isinstance(n, (ast.With, ast.AsyncWith)):
+                for item in n.items:
+                    if _loads(item.context_expr) & t:
+                        hit |= _targets(item.optional_vars)
+            elif isinstance(n, ast.Call):
+                args = [*n.args, *(k.value for k in n.keywords)]
+                if _loads(n.func) & t:
+                    for a in args:
+                        hit |= _targets(a.value if isinstance(a, ast.Starred) else a)
+                elif isinstance(n.func, ast.Attribute) and any(_loads(a) & t for a in args):
+                    hit |= _targets(n.func.value)
+            elif isinstance(n, _SCOPES[:3]) and _exposed([n]) & t:
+                hit.add(n.name)
+        t |= hit
+        if (len(t), len(hit)) == before:
+            return hit - {CANDIDATE}
+
+
+def _inert(stmt: ast.stmt) -> bool:
+    """A statement that can neither fail nor change anything a later statement sees: ``pass``,
+    a constant expression, ``assert <true constant>``, a builtin's bare name, ``import`` of a
+    standard-library module, or a constant assigned to a name."""
+    if isinstance(stmt, ast.Pass):
+        return True
+    if isinstance(stmt, ast.Expr):
+        v = stmt.value
+        return isinstance(v, ast.Constant) or (isinstance(v, ast.Name) and hasattr(builtins, v.id))
+    if isinstance(stmt, ast.Assert):
+        ok, value = _const(stmt.test)
+        try:
+            return ok and bool(value)
+        except Exception:  # noqa: BLE001 - a constant whose truth value raises is not inert
+            return False
+    if isinstance(stmt, ast.Import):
+        return all(a.name.split(".")[0] in sys.stdlib_module_names for a in stmt.names)
+    if isinstance(stmt, ast.Assign):
+        return all(isinstance(t, ast.Name) for t in stmt.targets) and _const(stmt.value)[0]
+    return False
+
+
+def _splittable(body: Sequence[ast.stmt]) -> str | None:
+    """Why a check body cannot be cut into steps faithfully (None: it can): names reached other
+    than by name (``eval``, ``locals()``...), ``global``/``nonlocal``, or the candidate's own
+    name rebound."""
+    for stmt in body:
+        for n in ast.walk(stmt):
+            if isinstance(n, (ast.Global, ast.Nonlocal)):
+                return "global or nonlocal names"
+            if isinstance(n, ast.Name) and n.id in _DYNAMIC:
+                return f"names reached through {n.id}"
+            if isinstance(n, ast.Name) and n.id == CANDIDATE and not isinstance(n.ctx, ast.Load):
+                return "the candidate's name is rebound"
+            if isinstance(n, ast.arg) and n.arg == CANDIDATE:
+                return "the candidate's name is rebound"
+    return None
+
+
+def _generator(body: Sequence[ast.stmt]) -> bool:
+    """Whether the statements themselves (not a function inside them) yield or await."""
+    todo = list(body)
+    while todo:
+        n = todo.pop()
+        if isinstance(n, (ast.Yield, ast.YieldFrom, ast.Await)):
+            return True
+        if not isinstance(n, _SCOPES):
+            todo.extend(ast.iter_child_nodes(n))
+    return False
+
+
+class _Unit:
+    """Consecutive statements of the test code judged together: a parent-judged call test
+    (``test``) or a judge-sandbox step; ``prefix``: the statements before them that do not
+    touch the candidate (they run first)."""
+
+    def __init__(self, prefix: list[ast.stmt], stmts: list[ast.stmt], test: dict[str, Any] | None) -> None:
+        self.prefix, self.stmts, self.test = prefix, stmts, test
+
+
+def _units(body: Sequence[ast.stmt], translate: bool, bound: set[str]) -> tuple[list[_Unit], list[ast.stmt]]:
+    """Cut the test statements into units, in order; returns them and the statements after the
+    last one. A statement is judged when it reads the candidate or a name holding something of
+    it; one that reads a name an earlier unit left holding it joins that unit (merged with every
+    unit since, so the statements still run in their order): ``r = candidate(x)`` / ``assert r
+    == y``, ``candidate(a)`` / ``assert a == [1, 2]`` and ``f = candidate`` / ``assert f(1) == 2``
+    are one step each, never a step with nothing to fail."""
+    units: list[_Unit] = []
+    taint: dict[str, int] = {}  # name -> the unit that left it holding something of the candidate
+    pending: list[ast.stmt] = []
+    for stmt in body:
+        reads = _exposed([stmt])
+        if CANDIDATE not in reads and not reads & taint.keys():
+            pending.append(stmt)
+            if isinstance(stmt, ast.Assign) and not _loads(stmt.value) & taint.keys():  # rebound: no longer tainted
+                for tg in stmt.targets:
+                    if isinstance(tg, (ast.Name, ast.Tuple, ast.List)):
+                        for name in _targets(tg):
+                            taint.pop(name, None)
+            continue
+        producers = [taint[n] for n in reads if n in taint]
+        if producers:
+            k = min(producers)
+            merged = [s for u in units[k:] for s in u.prefix + u.stmts]
+            units[k:] = [_Unit([], merged + pending + [stmt], None)]
+            taint = {n: min(u, k) for n, u in taint.items()}
+        else:
+            test = _translate(stmt.test, bound) if translate and isinstance(stmt, ast.Assert) else None
+            units.append(_Unit(pending, [stmt], test))
+            k = len(units) - 1
+        pending = []
+        for name in _flows(stmt, set(taint) | {CANDIDATE}):
+            taint[name] = k
+    return _no_blind_steps(units), pending
+
+
+def _checks(stmts: Sequence[ast.stmt]) -> bool:
+    return any(isinstance(n, (ast.Assert, ast.Raise)) for s in stmts for n in ast.walk(s))
+
+
+def _no_blind_steps(units: list[_Unit]) -> list[_Unit]:
+    """A step that asserts nothing (``candidate(x)`` whose result nobody reads) runs with the
+    unit after it (else the one before): alone it would be a test every answer passes."""
+    k = 0
+    while len(units) > 1 and k < len(units):
+        u = units[k]
+        if u.test is not None or _checks(u.stmts):
+            k += 1
+            continue
+        if k + 1 < len(units):
+            nxt = units[k + 1]
+            units[k:k + 2] = [_Unit(u.prefix, u.stmts + nxt.prefix + nxt.stmts, None)]
+        else:
+            prev = units[k - 1]
+            units[k - 1:] = [_Unit(prev.prefix, prev.stmts + u.prefix + u.stmts, None)]
+            k -= 1
+    return units
+
+
 def check_program(helpers: str, module_stmts: Sequence[ast.stmt], steps: Sequence[Sequence[ast.stmt]]) -> str:
     """The judge program: ``helpers`` (the prompt's or setup code), the test module's own
     statements, and ``__vpo_steps__(candidate)``, a generator running the test statements in
@@ -546,17 +779,25 @@ def check_program(helpers: str, module_stmts: Sequence[ast.stmt], steps: Sequenc
     return (helpers.rstrip() + "\n\n\n" if helpers.strip() else "") + ast.unparse(module) + "\n"
 
 
+def _step_text(stmts: Sequence[ast.stmt]) -> str:
+    text = "\n".join(ast.unparse(s) for s in stmts)
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
 def assert_tests(
     source: str, entry_point: str, *, helpers: str = "", translate: bool = True, stats: ImportStats | None = None
 ) -> tuple[list[dict[str, Any]], str]:
     """Tests from assert-based test code: a HumanEval-style ``check(candidate)`` function or
-    MBPP-style module-level asserts. One test per statement that calls the solution (the
-    statements before it that do not, such as imports or assignments, run with it), in source
-    order. With ``translate``, asserts of the shapes :func:`_translate` knows become parent-judged
-    call tests with Python's exact semantics; every other statement (loops, helper-based or
-    non-constant asserts) becomes a ``check`` step of the returned judge program, the dataset's
-    own code, run in a judge sandbox that reaches the solution through the parent only.
-    Returns (tests, judge program or "")."""
+    MBPP-style module-level asserts, judged as the dataset's own checker judges them. Every
+    statement is kept, in order. One test per statement that reads the solution or a name
+    holding something of it (by name flow, see :func:`_units`); the statements before it that do
+    not (imports, ``rng = random.Random(42)``) run with it, and those after the last one run with
+    the last step. With ``translate``, asserts of the shapes :func:`_translate` knows become
+    parent-judged call tests with Python's exact semantics; every other statement (loops,
+    helper-based or non-constant asserts) becomes a ``check`` step of the returned judge program,
+    the dataset's own code, run in a judge sandbox that reaches the solution through the parent
+    only. A check that cannot be cut faithfully (``eval``, ``locals()``, ``global``, the
+    candidate's name rebound) is one step, run whole. Returns (tests, judge program or "")."""
     try:
         tree = ast.parse(source)
     except SyntaxError:
@@ -572,31 +813,49 @@ def assert_tests(
             names.add(check.args.args[0].arg)
     else:
         body, module_stmts = list(tree.body), []
+    if _generator(body):  # check() would return a generator without running a statement: nothing is tested
+        if stats is not None:
+            stats.add("tests_skipped")
+        return [], ""
     renamer = _Rename(names - {CANDIDATE}, CANDIDATE)
     body = [ast.fix_missing_locations(renamer.visit(copy.deepcopy(s))) for s in body]
+    why = _splittable(body)
+    if why is not None:
+        log.debug("a check run whole (%s)", why)
+        if stats is not None:
+            stats.add("tests_as_check_steps")
+            stats.add("checks_run_whole")
+        return ([{"type": "check", "step": 0, "text": _step_text(body)}],
+                check_program(helpers, module_stmts, [body]))
     bound = _bound_names(tree) | _bound_names(ast.parse(helpers) if helpers.strip() else ast.Module([], []))
-    groups: list[tuple[list[ast.stmt], ast.stmt]] = []  # (statements before it, statement calling the solution)
-    pending: list[ast.stmt] = []
-    for stmt in body:
-        if _uses_candidate(stmt):
-            groups.append((pending, stmt))
-            pending = []
-        else:
-            pending.append(stmt)  # statements after the last call cannot affect a verdict: not run
+    units, trailing = _units(body, translate, bound)
+    if not units:  # the test code never reaches the solution: no test of it
+        if stats is not None:
+            stats.add("tests_skipped")
+        return [], ""
+    steps_at = [k for k, u in enumerate(units) if u.test is None]
+    rest = [s for u in units[steps_at[-1] + 1:] for s in u.prefix] + trailing if steps_at else \
+        [s for u in units for s in u.prefix] + trailing
+    if not steps_at and not all(_inert(s) for s in rest):  # something of the test code must still run
+        last = units[-1]
+        last.test = None
+        steps_at = [len(units) - 1]
+        rest = [s for u in units for s in u.prefix] + trailing
     tests: list[dict[str, Any]] = []
     steps: list[list[ast.stmt]] = []
     carry: list[ast.stmt] = []
-    for prefix, stmt in groups:
-        t = _translate(stmt.test, bound) if translate and isinstance(stmt, ast.Assert) else None
-        if t is not None:
-            carry.extend(prefix)  # still run, before the next judge step
-            tests.append(t)
+    for k, u in enumerate(units):
+        if u.test is not None:
+            carry.extend(u.prefix)  # still run, before the next judge step
+            tests.append(u.test)
             if stats is not None:
                 stats.add("tests_from_asserts")
             continue
-        text = ast.unparse(stmt)
-        tests.append({"type": "check", "step": len(steps), "text": text if len(text) <= 300 else text[:297] + "..."})
-        steps.append(carry + prefix + [stmt])
+        stmts = carry + u.prefix + u.stmts
+        if k == steps_at[-1]:
+            stmts += rest
+        tests.append({"type": "check", "step": len(steps), "text": _step_text(u.stmts)})
+        steps.append(stmts)
         carry = []
         if stats is not None:
             stats.add("tests_as_check_steps")
