@@ -29,13 +29,35 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ.setdefault(key, value)
 
 
+_SHARED_GROUPS = {  # fixture -> the xdist group of every test that uses it (one worker builds it once)
+    "quick_flow": "prefect",  # the flow runs against the session's Prefect server
+    "prefect_api": "prefect",
+    "quick_repo": "quick_repo",
+}
+_SLOW_FIXTURES = {"quick_repo", "quick_flow"}  # a whole quick pipeline run, built once per session
+_SERVER_FIXTURES = {"prefect_api", "quick_flow", "s3_server", "s3_bucket", "quick_repo"}
+_FIRST = ("prefect", "quick_repo", "tests/test_real_chat.py")  # the longest groups start first
+_GROUP = pytest.StashKey[str]()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """With ``-n N --dist loadgroup`` (``make test``): a test file runs on one worker, so its
-    module-wide fixtures (a quick run, a chat run) are built once, and every test of the session's
-    quick flow, whatever its file, runs on the worker that built it."""
+    """Marks that follow from the shared fixtures a test uses (a quick pipeline run: ``slow``; a real
+    server or subprocess cluster: ``integration``), and the xdist group of each test for ``make test``'s
+    ``-n 2 --dist loadgroup``: the tests of one shared setup run on the worker that built it, every other
+    test with the rest of its file (its module fixtures are built once); the longest groups first, so the
+    two workers overlap them."""
     for item in items:
-        group = "quick_flow" if "quick_flow" in getattr(item, "fixturenames", ()) else item.nodeid.split("::")[0]
+        names = set(getattr(item, "fixturenames", ()))
+        if names & _SLOW_FIXTURES:
+            item.add_marker(pytest.mark.slow)
+        if names & _SERVER_FIXTURES:
+            item.add_marker(pytest.mark.integration)
+        group = next((g for f, g in _SHARED_GROUPS.items() if f in names), item.nodeid.split("::")[0])
         item.add_marker(pytest.mark.xdist_group(group))
+        item.stash[_GROUP] = group
+    rank = {g: i for i, g in enumerate(_FIRST)}
+    items.sort(key=lambda it: rank.get(it.stash[_GROUP], len(rank)))  # stable: file order otherwise kept
+
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -82,3 +104,23 @@ def quick_repo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[QuickRun]:
     built = build_quick_repo(tmp_path_factory.mktemp("quick"))
     yield built
     built.check_untouched()
+
+
+_UNMARKED_SLOW_S = 10.0
+_SPENT: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Add up each test's setup, call and teardown time (in the main process, also under xdist)."""
+    if "slow" not in report.keywords:
+        _SPENT[report.nodeid] = _SPENT.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Name the tests that took longer than ten seconds without the ``slow`` mark (fixtures they built
+    included), so `make test-fast` stays fast: a note to look at, not a failure (times vary with load)."""
+    over = sorted(((s, n) for n, s in _SPENT.items() if s > _UNMARKED_SLOW_S), reverse=True)
+    if over:
+        terminalreporter.section("over 10 s without the slow mark")
+        for seconds, nodeid in over:
+            terminalreporter.write_line(f"{seconds:7.1f}s {nodeid}")

@@ -162,6 +162,8 @@ def test_nested_acquisition_in_one_process_is_counted(tmp_path: Path) -> None:
         assert probe.returncode != 0 and "LockBusyError" in probe.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_cli_run_and_stage_exit_3_while_locked(tmp_path: Path, holders: list[Holder]) -> None:
     """`vpo run` and `vpo stage` exit 3 with the holder in the message, before touching any output."""
     config = write_pipelines(tmp_path)

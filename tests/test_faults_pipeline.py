@@ -18,6 +18,8 @@ import pytest
 
 from tests.support.faults import RUN_NAME, VPO, copy_prepared, prepared_run, vpo_env
 
+pytestmark = [pytest.mark.slow, pytest.mark.integration]  # two whole `vpo run` processes race
+
 FAKE_SECRETS = {
     "AWS_ACCESS_KEY_ID": "AKIAFAULTSIXFAKEKEY7",
     "AWS_SECRET_ACCESS_KEY": "fAkE6sEcReT/kEy+FoR0tHe7fAuLtTeStS9xYzQw",

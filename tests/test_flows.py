@@ -718,6 +718,7 @@ def test_overrides_reach_every_stage_and_leave_dvc_mode(tmp_path: Path) -> None:
         fplan.make_plan("route", True, REPO / "pipelines.yaml", {"trainer.max_step": 7})
 
 
+@pytest.mark.slow
 def test_vpo_flow_passes_set_to_the_flow(monkeypatch: pytest.MonkeyPatch) -> None:
     """The CLI hands its --set values to the flow as a parameter (they are not validated and dropped)."""
     from vpo.pipeline import cli
