@@ -40,6 +40,7 @@ _FIRST = ("prefect", "quick_repo", "tests/test_real_chat.py")  # the longest gro
 _GROUP = pytest.StashKey[str]()
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (its own hook adds them to the test ids)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Marks that follow from the shared fixtures a test uses (a quick pipeline run: ``slow``; a real
     server or subprocess cluster: ``integration``), and the xdist group of each test for ``make test``'s
@@ -57,6 +58,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.stash[_GROUP] = group
     rank = {g: i for i, g in enumerate(_FIRST)}
     items.sort(key=lambda it: rank.get(it.stash[_GROUP], len(rank)))  # stable: file order otherwise kept
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Under ``--dist loadgroup`` every test id carries its group once xdist has read the marks; if none
+    does, this pytest and pytest-xdist do not work together and each worker would build the shared
+    setups again: stop with one line instead of running twice as long."""
+    if getattr(session.config.option, "loadgroup", False) and session.items and not any(
+            "@" in item.nodeid for item in session.items):
+        raise pytest.UsageError("pytest-xdist's --dist loadgroup had no effect (test ids carry no group): "
+                                "install the versions the test extra pins (pip install -e '.[test]')")
 
 
 
