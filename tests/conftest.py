@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Iterator
@@ -70,6 +71,18 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         raise pytest.UsageError("pytest-xdist's --dist loadgroup had no effect (test ids carry no group): "
                                 "install the versions the test extra pins (pip install -e '.[test]')")
 
+
+
+@pytest.fixture(autouse=True)
+def _dvc_logs_reach_this_tests_streams() -> None:
+    """DVC's console handlers keep the stream they were made with; made during an earlier test, that is
+    the earlier test's captured (now closed) stdout or stderr. Point them at this test's streams."""
+    if "dvc.logger" not in sys.modules:
+        return
+    for handler in logging.getLogger("dvc").handlers:
+        stream = getattr(handler, "stream", None)
+        if isinstance(handler, logging.StreamHandler) and getattr(stream, "closed", False):
+            handler.setStream(sys.stderr if handler.level >= logging.WARNING else sys.stdout)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -87,7 +87,7 @@ def test_busy_lock_fails_fast_naming_the_holder(tmp_path: Path, holders: list[Ho
         t0 = time.monotonic()
         with pytest.raises(LockBusyError) as err, pipeline_lock(tmp_path, "route-quick", arm=arm):
             pass
-        assert time.monotonic() - t0 < 2
+        assert time.monotonic() - t0 < 30  # the holder never lets go: a request that waited would not return
         msg = str(err.value)
         assert (
             f"pipeline route-quick (run folder {tmp_path}) is already running (pid {holders[0].pid} on "
