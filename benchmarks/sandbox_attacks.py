@@ -1,7 +1,7 @@
 """Hostile candidates beside honest ones, N times: does every attack stay contained, and does any
 honest verdict change? Run it on a loaded machine (e.g. with ``benchmarks/sandbox.py`` beside it).
 
-Each repetition is one batch per group of ``tests/sandbox_hostile.py`` (``base``; ``site``, whose
+Each repetition is one batch per group of ``tests/support/hostile.py`` (``base``; ``site``, whose
 sandbox imports from site-packages): the group's hostile classes plus every honest candidate, in
 a fresh order, on that group's Sandbox (its limits: ``CONFIGS`` there). After each batch the
 sandbox's own cgroup must hold nothing of it. Prints one row per class: runs, contained, the CPU
@@ -27,7 +27,7 @@ from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.sandbox_hostile import CONFIGS, HONEST, HOSTILE, LEFTOVER, check_batch, group_jobs
+from tests.support.hostile import CONFIGS, HONEST, HOSTILE, LEFTOVER, check_batch, group_jobs
 from vpo.sandbox import Sandbox
 
 

@@ -129,6 +129,24 @@ def test_reward_scores_tests_individually_and_batches_mixed_problems() -> None:
 
 
 @linux_only
+def test_closing_the_shared_pool_stops_it_and_a_later_reward_opens_a_fresh_one() -> None:
+    """Rewards of one configuration share one sandbox pool per process; `close_shared_sandboxes` (the
+    suite calls it after every test module, the process at exit) closes it, and scoring afterwards
+    opens a new pool that still judges."""
+    from vpo.tasks.code import close_shared_sandboxes
+
+    r = CodeTestsReward(max_tests=2)
+    row = {"id": "a", "entry_point": "", "tests": [TestCase.stdio("1", "2").to_dict()]}
+    np.testing.assert_array_equal(r.score(["print(int(input()) + 1)"], row), [[1, np.nan]])
+    first = r.sandbox
+    assert first is CodeTestsReward(max_tests=2).sandbox  # shared by configuration
+    close_shared_sandboxes()
+    assert first._closed
+    np.testing.assert_array_equal(r.score(["print(3)"], row), [[0, np.nan]])
+    assert r.sandbox is not first and not r.sandbox._closed
+
+
+@linux_only
 def test_score_set_multi_answer_rollout_with_ast_dedup(task: CodeTask) -> None:
     row = next(r for r in task.load("train") if r["entry_point"] and len(r["solutions"]) >= 2)
     sol = row["solutions"][0]["code"]

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.test_faults_support import (
+from tests.support.faults import (
     RUN_NAME,
     copy_prepared,
     load_cfg,
@@ -338,6 +338,7 @@ def _check_registry(folder: Path) -> None:
         assert (reg / "entries" / entry.artifact / f"{entry.hash}.md").is_file(), entry.label
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_crash_at_every_write_leaves_old_or_new(
     name: str,

@@ -23,7 +23,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.test_faults_support import (
+from tests.support.faults import (
     RUN_NAME,
     VPO,
     copy_prepared,
@@ -185,6 +185,7 @@ def test_bad_command_line_override(work: Work, setting: str, fragments: list[str
         ),
     ],
 )
+@pytest.mark.slow
 def test_bad_dataset_rows(work: Work, defect: str, fragments: list[str]) -> None:
     """A task/source yielding a broken row: the data stage names the split, row, id and field."""
     before = work.digest()
@@ -210,6 +211,7 @@ def test_bad_dataset_rows(work: Work, defect: str, fragments: list[str]) -> None
 # --------------------------------------------------------------------------- reward functions
 
 
+@pytest.mark.slow
 def test_reward_inf_in_rewards_stage(work: Work) -> None:
     """A reward returning inf for a reference answer: the rewards stage names the row and entry."""
     before = work.digest()
@@ -237,6 +239,7 @@ def test_reward_inf_in_rewards_stage(work: Work) -> None:
     assert work.digest() == before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("defect", "fragment"),
     [
@@ -274,7 +277,7 @@ def test_broken_reward_through_the_trainer(
 
 def test_broken_reward_in_evaluation_names_the_problem() -> None:
     """Evaluation validates every scored answer too."""
-    from tests.test_faults_support import BadRewardTask
+    from tests.support.faults import BadRewardTask
     from vpo.evaluate import score_completions
     from vpo.rewards import RewardError
 
@@ -358,6 +361,7 @@ def test_unparseable_outputs_through_evaluate_stage(work: Work, monkeypatch: pyt
 # --------------------------------------------------------------------------- tokenizers
 
 
+@pytest.mark.slow
 def test_local_model_whose_tokenizer_has_no_eos(work: Work) -> None:
     """`vpo stage base` from a local model folder whose tokenizer lacks an EOS token."""
     model = work.folder / "models" / "no-eos"
@@ -400,6 +404,7 @@ def test_tiny_builder_tokenizer_without_eos(work: Work, monkeypatch: pytest.Monk
 # --------------------------------------------------------------------------- incomplete checkpoints
 
 
+@pytest.mark.slow
 def test_train_with_truncated_base_weights(work: Work) -> None:
     """A base model whose safetensors file was cut short: train refuses before loading it."""
     weights = work.run / "base" / "model.safetensors"
@@ -415,6 +420,7 @@ def test_train_with_truncated_base_weights(work: Work) -> None:
     assert not (work.run / "arms").exists()
 
 
+@pytest.mark.slow
 def test_evaluate_with_an_arm_model_missing_its_config(work: Work) -> None:
     """evaluate checks every policy folder before sampling anything."""
     work.fake_arms()
@@ -430,6 +436,7 @@ def test_evaluate_with_an_arm_model_missing_its_config(work: Work) -> None:
     assert work.digest() == before and not (work.run / "eval").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("damage", "fragment"),
     [
@@ -510,6 +517,7 @@ def test_resume_skips_torn_and_truncated_trainer_checkpoints(tmp_path: Path) -> 
 # --------------------------------------------------------------------------- corrupt stage outputs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("damage", "stage", "fragments"), [
     ("data/train.parquet", "rewards",
      ["data/train.parquet is unreadable", f"rebuild it with `{VPO} stage data --pipeline route --quick`"]),
@@ -529,6 +537,7 @@ def test_a_truncated_stage_output_is_named_with_its_fix(work: Work, damage: str,
     assert work.digest() == before
 
 
+@pytest.mark.slow
 def test_a_damaged_arm_model_is_retrained_not_skipped(work: Work) -> None:
     """A finished arm whose model file was cut short: the train stage sees it through the arm's
     record (file sizes) and retrains instead of answering "already trained"."""

@@ -1,5 +1,6 @@
 """Faults on a whole pipeline run: two ``vpo run --quick`` started at once on the same run folder and
-registry, with fake S3 keys and tokens in their environment.
+registry (training, evaluation and registration; the first stages prepared once per session), with fake
+S3 keys and tokens in their environment.
 
 One run must refuse at once (exit 3, naming the other's pid) and write nothing; the other completes
 with consistent outputs and registry; and no secret value appears in any produced file or log.
@@ -15,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_faults_support import RUN_NAME, VPO, vpo_env, write_pipelines
+from tests.support.faults import RUN_NAME, VPO, copy_prepared, prepared_run, vpo_env
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]  # two whole `vpo run` processes race
 
 FAKE_SECRETS = {
     "AWS_ACCESS_KEY_ID": "AKIAFAULTSIXFAKEKEY7",
@@ -40,10 +43,11 @@ class Race:
 
 @pytest.fixture(scope="module")
 def race(tmp_path_factory: pytest.TempPathFactory) -> Race:
-    """Start two identical `vpo run --quick` processes at the same moment and wait for both."""
-    folder = tmp_path_factory.mktemp("race")
-    write_pipelines(folder)
-    args = [str(VPO), "run", "--quick", "--config", "pipelines.yaml", "--set", "trainer.max_steps=2"]
+    """Start two identical `vpo run --quick --no-search` processes at the same moment, in a folder whose
+    data, rewards and base stages the session prepared once, and wait for both."""
+    folder = tmp_path_factory.mktemp("race") / "work"
+    copy_prepared(prepared_run(tmp_path_factory.getbasetemp()), folder)
+    args = [str(VPO), "run", "--quick", "--no-search", "--config", "pipelines.yaml", "--set", "trainer.max_steps=2"]
     logs = [folder / "run-a.log", folder / "run-b.log"]
     env = vpo_env(FAKE_SECRETS)
     procs = []

@@ -20,7 +20,9 @@ from typing import Any
 
 import pytest
 
-from tests.test_faults_support import RUN_NAME, copy_prepared, prepared_run, start_wrapper, wait_for
+from tests.support.faults import RUN_NAME, copy_prepared, prepared_run, start_wrapper, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]  # training processes killed mid-run and resumed
 
 STEPS, SAVE_STEPS, KILL_IN_SAVE = 8, 3, 6
 TOLERANCE = 0.0  # measured: resumed and uninterrupted runs are bitwise identical

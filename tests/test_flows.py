@@ -34,14 +34,10 @@ from uuid import UUID
 import pytest
 import yaml
 
-try:
-    from flows_fixtures import DVC, REPO, FlowResult, make_repo, run
-except ModuleNotFoundError:  # tests/ imported as a package
-    from tests.flows_fixtures import DVC, REPO, FlowResult, make_repo, run
-
 from flows import flow_run as fr
 from flows import report, tasks
 from flows import retrain as rt
+from tests.support.repos import DVC, REPO, FlowResult, copy_repo, make_repo, run
 from vpo.pipeline.engine.checkpoints import content_hash
 from vpo.pipeline.engine.storage import scan_for_secrets, secret_values
 from vpo.pipeline.registry import Registry
@@ -637,11 +633,11 @@ def _outage_after_puts(
 @pytest.mark.slow
 @pytest.mark.integration
 def test_s3_outage_during_push_is_retried_and_registry_stays_consistent(
-    quick_flow: FlowResult, s3_server: Any, monkeypatch: pytest.MonkeyPatch
+    quick_flow: FlowResult, s3_server: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """Server down for 5 s after the 5th pushed object: push fails, retries with backoff, completes;
     registration happens only after it, and every entry's objects exist."""
-    repo, bucket = quick_flow.repo, s3_server.make_bucket()
+    repo, bucket = copy_repo(quick_flow.repo, tmp_path / "repo"), s3_server.make_bucket()
     _set_storage(repo, bucket)
     monkeypatch.setenv(
         "AWS_MAX_ATTEMPTS", "1"
@@ -681,11 +677,11 @@ def test_s3_outage_during_push_is_retried_and_registry_stays_consistent(
 @pytest.mark.slow
 @pytest.mark.integration
 def test_s3_outage_outlasting_retries_fails_before_registering(
-    quick_flow: FlowResult, s3_server: Any, monkeypatch: pytest.MonkeyPatch
+    quick_flow: FlowResult, s3_server: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """Server down from the first pushed object on: every push attempt fails, the flow fails, and the
     registry holds nothing (no entry can point at objects the outage kept out)."""
-    repo, bucket = quick_flow.repo, s3_server.make_bucket()
+    repo, bucket = copy_repo(quick_flow.repo, tmp_path / "repo"), s3_server.make_bucket()
     _set_storage(repo, bucket)
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     with _outage_after_puts(
@@ -722,6 +718,7 @@ def test_overrides_reach_every_stage_and_leave_dvc_mode(tmp_path: Path) -> None:
         fr.flow_run("route", True, REPO / "pipelines.yaml", {"trainer.max_step": 7})
 
 
+@pytest.mark.slow
 def test_vpo_flow_passes_set_to_the_flow(monkeypatch: pytest.MonkeyPatch) -> None:
     """The CLI hands its --set values to the flow as a parameter (they are not validated and dropped)."""
     from vpo.pipeline import cli

@@ -48,6 +48,7 @@ def check_report(report: dict[str, Any], engine: str) -> None:
     assert report["vpo_over_grpo_per_token"] > 0
 
 
+@pytest.mark.slow
 def test_manual_engine_runs_without_trl(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     script = BLOCK_TRL % str(REPO / "benchmarks" / "gpu_step.py")

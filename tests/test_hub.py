@@ -109,7 +109,7 @@ def test_a_failed_upload_is_one_error_naming_the_repo(
 
 def _entry(tmp_path: Path, estimator: str, arm: str, *, train: dict[str, Any] | None = None,
            adapter: bool = False) -> tuple[Any, Path]:
-    from tests.test_registry import make_checkpoint, metrics
+    from tests.support.registry import make_checkpoint, metrics
     from vpo.pipeline.registry import Registry
 
     folder = make_checkpoint(tmp_path / arm)
@@ -169,7 +169,7 @@ def test_the_readme_trl_writes_into_a_checkpoint_names_vpo_and_the_estimator(tmp
     from huggingface_hub import ModelCard
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tests.trainer_fixtures import LetterReward, config, tiny_model_dir, toy_dataset
+    from tests.support.trainers import LetterReward, config, tiny_model_dir, toy_dataset
     from vpo.trainer import VPOTrainer
 
     model_dir = tiny_model_dir(tmp_path)

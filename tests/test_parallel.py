@@ -3,7 +3,7 @@ once and with what, the plan's groups, the shared model cache, and what SIGTERM/
 and `vpo stage` leave behind (nothing they started).
 
 Fast tests use machines described in code (no hardware needed); the slow ones run the CLI on a
-prepared folder (data, rewards and a 1-layer base built once per session, tests/test_faults_support.py).
+prepared folder (data, rewards and a 1-layer base built once per session, tests/support/faults.py).
 """
 
 from __future__ import annotations
@@ -20,16 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_faults_support import RUN_NAME, VPO, copy_prepared, prepared_run, vpo_env
+from tests.support.faults import RUN_NAME, VPO, copy_prepared, prepared_run, vpo_env
+from tests.support.procs import Descendants
 from vpo.pipeline.config import load_pipeline
 from vpo.pipeline.engine.execution import THREADS_ENV, Machine, concurrency, stage_threads
 from vpo.pipeline.runner import independent_groups
 from vpo.pipeline.steps import steps_of
-
-try:
-    from proc_watch import Descendants
-except ModuleNotFoundError:  # tests/ imported as a package
-    from tests.proc_watch import Descendants
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import dvc  # noqa: F401 (DVC binds its log handler to sys.stderr on first import: not to a test's capture)
 import pytest
 
+from tests.support.registry import make_checkpoint, metrics
 from vpo.pipeline.engine.checkpoints import (
     FileRecord,
     IncompleteCheckpointError,
@@ -25,23 +26,6 @@ from vpo.pipeline.engine.storage import scan_for_secrets
 from vpo.pipeline.registry import Registry, RegistryInputError
 from vpo.pipeline.registry.cli import main
 from vpo.pipeline.registry.entries import StorageUnavailableError
-
-
-def make_checkpoint(root: Path, *, seed: int = 0, weights_size: int = 4096) -> Path:
-    """A small but complete HF-style model folder (config, weights, tokenizer, a run-specific file)."""
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "config.json").write_text(json.dumps({"model_type": "tiny"}))
-    (root / "model.safetensors").write_bytes(hashlib.sha256(str(seed).encode()).digest() * (weights_size // 32))
-    (root / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 64}))
-    (root / "training_args.bin").write_bytes(f"args of {root}".encode())
-    return root
-
-
-def metrics(best: dict[int, float], diversity: float = 1.0) -> dict:
-    """Metrics shaped like the pipeline's: training summary and one arm run's evaluation."""
-    return {"train": {"max_steps": 4}, "eval": {"best_at_k": {str(k): v for k, v in best.items()},
-                                                 "pass_at_k": {str(k): v / 2 for k, v in best.items()},
-                                                 "reward_diversity": diversity}}
 
 
 @pytest.fixture

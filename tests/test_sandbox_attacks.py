@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.sandbox_hostile import forge as forge_bytes
+from tests.support.hostile import forge as forge_bytes
 from vpo.sandbox import Job, Sandbox, SandboxConfig, SandboxError, Status, TestCase
 from vpo.sandbox import judging as sandbox_judging
 

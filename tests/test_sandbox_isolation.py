@@ -1,7 +1,7 @@
 """Sandbox limits that hold under load and fail closed: no candidate can change another's verdict,
 take the host's view, or outlive its batch.
 
-* every hostile class of ``tests/sandbox_hostile.py`` runs in ONE batch with honest candidates:
+* every hostile class of ``tests/support/hostile.py`` runs in ONE batch with honest candidates:
   each is contained, every honest verdict is a pass, and nothing of the batch is alive when
   ``run()`` returns (checked in the sandbox's own cgroup, never by scanning the machine);
 * a protection that cannot be set up refuses: one SandboxError at start-up, an ERROR verdict
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.sandbox_hostile import CONFIG, HOSTILE, LEFTOVER, check_batch, group_jobs
+from tests.support.hostile import CONFIG, HOSTILE, LEFTOVER, check_batch, group_jobs
 from vpo.sandbox import Job, Sandbox, SandboxConfig, SandboxError, Status, TestCase, cgroups
 from vpo.sandbox.leases import BLOCK, UidLease, lease_dir
 

@@ -10,7 +10,7 @@
 * ``expr`` tests take builtins, the prelude's names and standard modules from the judge;
 * installed packages' copies of a benchmark are hidden from a ``site_packages`` view.
 
-The classes of ``tests/sandbox_hostile.py`` (base group) run in ``test_sandbox_isolation.py``;
+The classes of ``tests/support/hostile.py`` (base group) run in ``test_sandbox_isolation.py``;
 the site-packages group runs here. One sandbox pool for the module, closed when it ends.
 """
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.sandbox_hostile import CONFIG, CONFIGS, check_batch, group_jobs
+from tests.support.hostile import CONFIG, CONFIGS, check_batch, group_jobs
 from vpo.sandbox import Job, Sandbox, Status, TestCase, benchmark_payloads
 from vpo.sandbox.compare import OverBudget, judge_value, stdout_verdict
 from vpo.sandbox.judging import expr_names
@@ -210,7 +210,7 @@ def test_a_4mib_digit_token_fails_within_its_budget_beside_honest_candidates(box
 @linux
 @pytest.mark.sandbox
 def test_network_counters_do_not_carry_to_the_next_candidate(box: Sandbox) -> None:
-    from tests.sandbox_hostile import HOSTILE
+    from tests.support.hostile import HOSTILE
 
     probe = next(h for h in HOSTILE if h.name == "netns_counters_carry")
     runs = box._max_zygotes + 1  # one at a time, more runs than fork servers: two share one

@@ -5,7 +5,7 @@ runs a served deployment started, a Prefect server it started -- while a Prefect
 start keeps answering.
 
 Every test starts from a folder whose data, rewards and 1-layer base model were built once per
-session (tests/test_faults_support.py), with ``trainer.max_steps`` far beyond what the test waits
+session (tests/support/faults.py), with ``trainer.max_steps`` far beyond what the test waits
 for, and signals the command as soon as a `vpo stage train` process runs. How long the command lived
 after the signal is printed (``pytest -rP`` shows it) and bounded by :data:`BOUND_S`: generous,
 absolute, and far below what finishing the training would take.
@@ -26,12 +26,8 @@ from typing import Any
 
 import pytest
 
-from tests.test_faults_support import copy_prepared, prepared_run, vpo_env
-
-try:
-    from proc_watch import Descendants
-except ModuleNotFoundError:  # tests/ imported as a package
-    from tests.proc_watch import Descendants
+from tests.support.faults import copy_prepared, prepared_run, vpo_env
+from tests.support.procs import Descendants
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -146,11 +146,10 @@ def test_runner_skips_records_rebuilds_and_cleans(tmp_path: Path, capsys: pytest
     OSError(28, "No space left on device"),
     RuntimeError("[enforce fail at inline_container.cc:778] . unexpected pos 6400 vs 6294"),
 ])
-def test_a_full_disk_is_one_clear_error(tmp_path: Path, error: BaseException) -> None:
+def test_a_full_disk_is_one_clear_error(tmp_path: Path, error: BaseException,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Whatever layer hits the full disk (Python's OSError, torch's writer), the step ends with one
     StageError naming the output folder and what to do."""
-    from dataclasses import replace
-
     from vpo.pipeline.config import load_pipeline
     from vpo.pipeline.config.layout import arm_runs
     from vpo.pipeline.engine.errors import StageError
@@ -165,7 +164,8 @@ def test_a_full_disk_is_one_clear_error(tmp_path: Path, error: BaseException) ->
     def full(ctx: object) -> dict:
         raise error
 
-    step = Step(replace(stage("train"), run=full), run=arm_runs(cfg)[0])
+    monkeypatch.setattr("vpo.pipeline.stages.train.run", full)
+    step = Step(stage("train"), run=arm_runs(cfg)[0])
     with pytest.raises(StageError) as err:
         run_step(cfg, step, progress=False)
     assert str(err.value).startswith("train@grpo-s0: the disk holding ")
@@ -176,7 +176,8 @@ def test_a_full_disk_is_one_clear_error(tmp_path: Path, error: BaseException) ->
         raise other
 
     with pytest.raises(RuntimeError, match="a plain bug"):  # not every error is a full disk
-        run_step(cfg, Step(replace(stage("data"), run=buggy)), progress=False)
+        monkeypatch.setattr("vpo.pipeline.stages.data.run", buggy)
+        run_step(cfg, Step(stage("data")), progress=False)
 
 
 def test_adding_a_seed_leaves_the_existing_runs_up_to_date(tmp_path: Path) -> None:

@@ -16,10 +16,7 @@ from pathlib import Path
 
 import pytest
 
-try:
-    from proc_watch import Descendants
-except ModuleNotFoundError:  # tests/ imported as a package
-    from tests.proc_watch import Descendants
+from tests.support.procs import Descendants
 
 pytestmark = pytest.mark.integration
 
@@ -132,10 +129,7 @@ def _read_until(proc: subprocess.Popen[str], marker: str, timeout: float = 300) 
 
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    try:
-        from flows_fixtures import tool_env
-    except ModuleNotFoundError:
-        from tests.flows_fixtures import tool_env
+    from tests.support.repos import tool_env
 
     env = tool_env(PREFECT_HOME=str(tmp_path / "prefect-home"), OMP_NUM_THREADS="1", **extra)
     if "PREFECT_API_URL" not in extra:
@@ -144,10 +138,7 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 
 def _repo(tmp_path: Path) -> Path:
-    try:
-        from flows_fixtures import make_repo
-    except ModuleNotFoundError:
-        from tests.flows_fixtures import make_repo
+    from tests.support.repos import make_repo
 
     return make_repo(tmp_path / "repo")
 

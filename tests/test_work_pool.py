@@ -27,10 +27,7 @@ from typing import Any
 import pytest
 import yaml
 
-try:
-    from flows_fixtures import DVC, REPO, make_repo, run, tool_env
-except ModuleNotFoundError:  # tests/ imported as a package
-    from tests.flows_fixtures import DVC, REPO, make_repo, run, tool_env
+from tests.support.repos import DVC, REPO, make_repo, run, tool_env
 
 # about two minutes on a quiet 2-core machine; a loaded one (other suites at once) can take ten times that
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(2400)]

@@ -158,7 +158,9 @@ def _shared_sandbox(config: SandboxConfig) -> Sandbox:
 
 
 @atexit.register
-def _close_shared() -> None:
+def close_shared_sandboxes() -> None:
+    """Close this process's shared sandbox pools (at exit, or when a caller is done with code rewards:
+    a later reward opens a fresh pool)."""
     with _SHARED_LOCK:
         boxes = list(_SHARED.values())
         _SHARED.clear()

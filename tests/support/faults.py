@@ -11,7 +11,7 @@
 * run as a script it is a thin wrapper around ``vpo.pipeline.cli.main`` that registers these tasks,
   can record every step's advantages, and can stop
   dead inside a chosen checkpoint save (the test then SIGKILLs it there):
-  ``python test_faults_support.py [--record F] [--pause-in-save N --marker M] -- ARGS``.
+  ``python tests/support/faults.py [--record F] [--pause-in-save N --marker M] -- ARGS``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from vpo.rewards import VectorReward
 from vpo.tasks import available_tasks, register_task
 from vpo.tasks.route import RouteTask
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 VPO = Path(sys.executable).with_name("vpo")
 SCRIPT = Path(__file__).resolve()
 TINY_MODEL = {
@@ -375,7 +375,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     split = argv.index("--") if "--" in argv else len(argv)
-    ap = argparse.ArgumentParser(prog="test_faults_support")
+    ap = argparse.ArgumentParser(prog="tests/support/faults.py")
     ap.add_argument("--record", type=Path)
     ap.add_argument("--pause-in-save", type=int)
     ap.add_argument("--pause-in-publish", action="store_true")
