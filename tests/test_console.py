@@ -169,3 +169,18 @@ def test_one_seed_has_no_spread_in_the_tables() -> None:
     """A table of one run per arm shows the number, not "± 0.000"; several runs show their spread."""
     assert console.mean_std({"mean": 0.41234, "std": 0.0}, 1) == "0.412"
     assert console.mean_std({"mean": 0.41234, "std": 0.0191}, 3) == "0.412 ± 0.019"
+
+
+def test_session_records_library_loggers_another_setup_disabled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``logging.config.dictConfig`` elsewhere in the process (DVC's, a server's) disables the loggers
+    that existed then; inside a session their records still reach the file, and the loggers are left
+    as they were after it."""
+    lib = logging.getLogger("transformers.modeling_utils")
+    monkeypatch.setattr(lib, "disabled", True)  # what dictConfig(disable_existing_loggers=True) does
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    path = tmp_path / "x-run.log"
+    with console.session(path):
+        lib.warning("weights not used: ['lm_head.bias']")
+        assert console.warning_count() == 1
+    assert "weights not used" in path.read_text()
+    assert lib.disabled

@@ -398,6 +398,13 @@ def session(path: Path | None, *, defer_tables: bool = False) -> Iterator[Path |
         lg.handlers = [h for h in lg.handlers if not isinstance(h, logging.StreamHandler)
                        or getattr(h, "stream", None) not in (sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__)]
         lg.propagate = True
+    # a logging.config.dictConfig call elsewhere in the process (DVC's, a server's) disables every logger
+    # that existed then unless told otherwise: the session's file gets library records all the same
+    disabled = [lg for name, lg in logging.root.manager.loggerDict.items()
+                if isinstance(lg, logging.Logger) and lg.disabled
+                and (name == "py.warnings" or name.split(".")[0] in _LIBRARY_LOGGERS)]
+    for lg in disabled:
+        lg.disabled = False
     logging.captureWarnings(True)
     sys.stdout, sys.stderr = _Tee(old_out), _Tee(old_err)
     fh.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(sys.argv)}\n")
@@ -415,6 +422,8 @@ def session(path: Path | None, *, defer_tables: bool = False) -> Iterator[Path |
         for name, (handlers, propagate) in saved.items():
             lg = logging.getLogger(name)
             lg.handlers, lg.propagate = handlers, propagate
+        for lg in disabled:
+            lg.disabled = True
         fh.close()
         _S.file, _S.path, _S.console = None, None, None
         _S.defer_tables = False
