@@ -212,7 +212,9 @@ def test_repro_reruns_exactly_the_changed_stage_then_nothing(repro_repo: Path) -
     table = run([DVC, "metrics", "show"], repro_repo)  # the declared summary file: a few numbers per arm
     lines = table.stdout.strip().splitlines()
     assert len(lines) < 20 and "failed" not in (table.stdout + table.stderr).lower(), table.stdout
-    assert lines[0].split()[0] == "Path" and "vpo.best@1" in lines[0] and lines[1].startswith(f"runs/{QUICK}/")
+    # the headline per arm: best@k at the preset's largest k, then the reward diversity
+    assert lines[0].split()[0] == "Path" and lines[1].startswith(f"runs/{QUICK}/"), table.stdout
+    assert re.search(r"\bbest@\d+\.vpo\b", lines[0]) and "div.vpo" in lines[0], lines[0]
     plots = json.loads(
         run([DVC, "plots", "show", "--json", f"{QUICK}-best-at-k", f"{QUICK}-train-loss"], repro_repo).stdout
     )

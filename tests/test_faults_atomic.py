@@ -237,7 +237,7 @@ def run_stage(name: str, cfg: Any) -> dict[str, Any]:
     from vpo.pipeline.steps import stage
 
     run = ArmRun(cfg.arm("vpo"), 0) if name == "train" else None
-    return stage(name).run(StageContext(cfg, RunLayout.of(cfg), name, run, progress=False))
+    return stage(name).call(StageContext(cfg, RunLayout.of(cfg), name, run, progress=False))
 
 
 def _setup_rewards(folder: Path) -> None:
