@@ -18,7 +18,7 @@ The ``runtime`` runs set :data:`~vpo.memory.CPU_RUNTIME`; every other run checks
 
     OMP_NUM_THREADS=1 python benchmarks/memory_plan.py --json runs/bench-memory-plan.json
 
-Measured numbers and the command are in README ("Memory plan"). Peak RSS counts everything the
+Measured numbers and the command are in docs/gpu.md ("How close the plan is"). Peak RSS counts everything the
 process touched (allocator arenas, thread pools), so small models read high; the plan's error is
 stated per case, not tuned away.
 """
