@@ -19,22 +19,34 @@ if TYPE_CHECKING:
     from vpo.pipeline.config.layout import ArmRun
     from vpo.pipeline.config.schema import ArmConfig, PipelineConfig
 
-__all__ = ["accelerate_processes", "arm_batch", "peft_config", "vpo_config_kwargs", "world_size"]
+__all__ = ["accelerate_processes", "accelerate_settings", "arm_batch", "distributed_type", "peft_config",
+           "vpo_config_kwargs", "world_size"]
+
+
+def accelerate_settings(cfg: PipelineConfig) -> dict[str, Any]:
+    """The mapping in ``trainer.accelerate_config`` (empty: no such setting, or the file cannot be read)."""
+    import yaml
+
+    if not cfg.trainer.accelerate_config:
+        return {}
+    try:
+        data = yaml.safe_load(cfg.resolve_path(cfg.trainer.accelerate_config).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def accelerate_processes(cfg: PipelineConfig) -> int | None:
     """``num_processes`` of ``trainer.accelerate_config`` (None: no such file setting, or it names none or
     cannot be read)."""
-    import yaml
-
-    if not cfg.trainer.accelerate_config:
-        return None
-    try:
-        data = yaml.safe_load(cfg.resolve_path(cfg.trainer.accelerate_config).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        return None
-    value = data.get("num_processes") if isinstance(data, dict) else None
+    value = accelerate_settings(cfg).get("num_processes")
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def distributed_type(cfg: PipelineConfig) -> str:
+    """``distributed_type`` of ``trainer.accelerate_config`` in capitals (DEEPSPEED, FSDP, MULTI_GPU, ...);
+    ``NO`` without one."""
+    return str(accelerate_settings(cfg).get("distributed_type") or "NO").upper()
 
 
 def world_size(cfg: PipelineConfig) -> int:
