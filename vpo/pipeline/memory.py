@@ -44,7 +44,7 @@ from vpo.memory import (
 from vpo.memory.evaluation import EvalPlan, check_evaluation, format_evaluation, plan_evaluation
 from vpo.pipeline.config import PipelineConfig
 from vpo.pipeline.config.layout import ArmRun, RunLayout
-from vpo.pipeline.config.settings import vpo_config_kwargs
+from vpo.pipeline.config.settings import deepspeed_zero, vpo_config_kwargs
 from vpo.pipeline.engine.console import detail, log
 from vpo.pipeline.engine.context import build_task
 from vpo.pipeline.engine.errors import StageError
@@ -163,23 +163,12 @@ def parallel_of(cfg: PipelineConfig, processes: int | None = None) -> Parallel:
     world = int(processes or acc.get("num_processes") or 1)
     kind = str(acc.get("distributed_type", "NO")).upper()
     if kind == "DEEPSPEED":
-        ds = acc.get("deepspeed_config") or {}
-        stage = ds.get("zero_stage")
-        off_opt, off_par = ds.get("offload_optimizer_device"), ds.get("offload_param_device")
-        if ds.get("deepspeed_config_file"):
-            ds_path = Path(str(ds["deepspeed_config_file"]))
-            for cand in (cfg.resolve_path(ds_path), path.parent / ds_path.name, ds_path.expanduser().resolve()):
-                if cand.is_file():
-                    zero = (json.loads(cand.read_text()).get("zero_optimization") or {})
-                    stage = zero.get("stage", stage)
-                    off_opt = (zero.get("offload_optimizer") or {}).get("device", off_opt)
-                    off_par = (zero.get("offload_param") or {}).get("device", off_par)
-                    break
-            else:
-                raise StageError(f"trainer.accelerate_config {value!r}: its deepspeed_config_file "
-                                 f"{ds['deepspeed_config_file']!r} does not exist")
-        return Parallel(world_size=world, zero_stage=int(stage or 0), offload_optimizer=off_opt in ("cpu", "nvme"),
-                        offload_params=off_par in ("cpu", "nvme"), source=str(path))
+        try:
+            zero = deepspeed_zero(cfg, acc, path)
+        except ValueError as exc:
+            raise StageError(f"trainer.accelerate_config {value!r}: {exc}") from None
+        return Parallel(world_size=world, zero_stage=zero.stage, offload_optimizer=zero.offload_optimizer,
+                        offload_params=zero.offload_params, source=str(path))
     if kind == "FSDP":
         fs = acc.get("fsdp_config") or {}
         return Parallel(world_size=world, fsdp=True, offload_params=bool(fs.get("fsdp_offload_params")),

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vpo import requirements as reqs
-from vpo.pipeline.config.settings import accelerate_settings, arm_batch, distributed_type
+from vpo.pipeline.config.settings import accelerate_settings, arm_batch, deepspeed_zero, distributed_type
 from vpo.pipeline.engine.errors import StageError
 
 if TYPE_CHECKING:
@@ -131,14 +131,20 @@ def hardware_problems(cfg: PipelineConfig, *, cuda: bool | None = None) -> list[
     tr = cfg.trainer
     if tr.accelerate_config and not Path(cfg.resolve_path(tr.accelerate_config)).is_file():
         out.append(f"{where}: trainer.accelerate_config {tr.accelerate_config!r} does not exist")
-    elif tr.accelerate_config and tr.lora is not None:
-        from vpo.pipeline.memory import parallel_of
-
-        par = parallel_of(cfg)
-        if par.fsdp or par.zero_stage == 3:
-            out.append(f"{where}: trainer.lora with trainer.accelerate_config {tr.accelerate_config} ("
-                       f"{'FSDP' if par.fsdp else 'ZeRO-3'}) is not supported: the merged model is made from whole "
-                       "weights on one process; use infra/accelerate/deepspeed_zero2.yaml")
+    elif tr.accelerate_config:
+        kind, sharded = distributed_type(cfg), ""
+        if kind == "DEEPSPEED":
+            try:
+                sharded = "ZeRO-3" if deepspeed_zero(cfg, accelerate_settings(cfg),
+                                                     cfg.resolve_path(tr.accelerate_config)).stage == 3 else ""
+            except ValueError as exc:
+                out.append(f"{where}: trainer.accelerate_config {tr.accelerate_config!r}: {exc}")
+        elif kind == "FSDP":
+            sharded = "FSDP"
+        if sharded and tr.lora is not None:
+            out.append(f"{where}: trainer.lora with trainer.accelerate_config {tr.accelerate_config} ({sharded}) is "
+                       "not supported: the merged model is made from whole weights on one process; use "
+                       "infra/accelerate/deepspeed_zero2.yaml")
     for arm in cfg.enabled_arms:
         try:
             arm_batch(cfg, arm)
