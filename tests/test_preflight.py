@@ -137,3 +137,20 @@ def test_vpo_run_of_the_code_preset_stops_before_the_data_stage(tmp_path: Path) 
     assert "  deepspeed is not installed (needed for trainer.accelerate_config" in proc.stderr
     assert 'pip install "deepspeed==0.19.8"' in proc.stderr
     assert "data" not in proc.stdout and not (tmp_path / "runs" / "code-qwen-coder" / "data").exists()
+
+
+@pytest.mark.skipif(__import__("importlib.util").util.find_spec("deepspeed") is not None,
+                    reason="shows the line for a machine without DeepSpeed")
+def test_vpo_flow_stops_before_prefect_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """``vpo flow`` checks before it starts a Prefect server or any stage: the same lines, exit 2."""
+    from vpo.pipeline.cli import main
+
+    shutil.copy(REPO / "pipelines.yaml", tmp_path / "pipelines.yaml")
+    shutil.copytree(REPO / "infra" / "accelerate", tmp_path / "infra" / "accelerate")
+    monkeypatch.chdir(tmp_path)
+    assert main(["flow", "--pipeline", "code-qwen-coder"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: pipeline 'code-qwen-coder' cannot run on this machine (checked before any stage ran)")
+    assert "  deepspeed is not installed (needed for trainer.accelerate_config" in err
+    assert not (tmp_path / "runs" / "code-qwen-coder" / "data").exists()
