@@ -93,6 +93,14 @@ def _flow(args: argparse.Namespace) -> int:
 
     cfg = load_config(args)
     overrides = parse_overrides(args.set)
+    from vpo.pipeline.engine.errors import EXIT_BAD_INPUT, StageError
+    from vpo.pipeline.engine.preflight import check_preflight
+
+    try:  # packages and devices, before Prefect's server starts and before the data stage
+        check_preflight(cfg)
+    except StageError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
 
     def body() -> int:
         from flows import retrain as rt

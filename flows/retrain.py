@@ -56,8 +56,10 @@ from flows.tasks import (
     train_on_pool,
     vpo_cmd,
 )
+from vpo.pipeline.config import load_pipeline
 from vpo.pipeline.config.layout import RunLayout
 from vpo.pipeline.config.names import variant_name
+from vpo.pipeline.engine.preflight import check_preflight
 from vpo.pipeline.engine.processes import children_stop_first
 from vpo.pipeline.engine.storage import redact
 
@@ -180,6 +182,8 @@ def _retrain(pipeline: str, quick: bool, config: str, overrides: dict[str, Any] 
              arms_on: str | None) -> dict[str, Any]:
     logger = get_run_logger()
     run = flow_run(pipeline, quick, config, overrides)
+    check_preflight(load_pipeline(pipeline, Path(config).expanduser().resolve(), quick=quick,
+                                  overrides=dict(overrides or {})))  # before the data stage
     logger.info("retrain %s: %d stages in %s; %s; DVC remote %s; registry %s", run.variant, len(run.steps),
                 run.repo, run.mode_note, redact(run.remote_url or "none"), redact(run.registry_url))
     backoff = exponential_backoff(max(0.0, float(retry_delay_s)))

@@ -21,7 +21,7 @@ from vpo.pipeline.config.fields import DEFAULTS, RESERVED
 from vpo.pipeline.config.layout import ArmRun
 from vpo.pipeline.config.schema import PIPELINE_ONLY
 from vpo.pipeline.config.settings import arm_batch, vpo_config_kwargs
-from vpo.pipeline.engine.execution import check_hardware
+from vpo.pipeline.engine.preflight import check_hardware
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -222,7 +222,8 @@ def test_generation_rounds_are_stated(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("trainer", "arms", "fragment"), [
     ({"bf16": True}, None, "trainer.bf16 is true but no CUDA GPU is visible"),
     ({}, [{"name": "g", "estimator": "grpo", "fp16": True}], "arms.g.fp16 is true but no CUDA GPU is visible"),
-    ({"use_vllm": True}, None, "trainer.use_vllm is true but vLLM is not installed"),
+    ({"use_vllm": True}, None, "vllm is not installed (needed for trainer.use_vllm, evaluation.use_vllm in pipeline"),
+    ({"use_vllm": True}, None, "evaluation.use_vllm is true (from trainer.use_vllm) but no CUDA GPU is visible"),
 ])
 def test_gpu_settings_fail_clearly_on_a_cpu_machine(tmp_path: Path, trainer: dict, arms: Any, fragment: str) -> None:
     from vpo.pipeline.engine.errors import StageError

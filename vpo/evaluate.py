@@ -117,11 +117,13 @@ def evaluate_policy(task: Task, model_dir: str, rows: Sequence[Mapping[str, Any]
                     ks: Sequence[int], temperature: float = 1.0, max_new_tokens: int = 64, seed: int = 0,
                     num_weights: int = 100, backend: str = "transformers", progress: bool = False,
                     pool: str = "rollouts", prompt_fn: Callable[[Mapping[str, Any], int], Any] | None = None,
+                    load: Mapping[str, Any] | None = None, engine: Mapping[str, Any] | None = None,
                     ) -> tuple[dict[str, Any], np.ndarray]:
     """Sample a fair pool from ``model_dir`` for every row and compute :func:`evaluate_pools`
     (``pool``: "rollouts" or "slots"). ``prompt_fn(row, m)`` replaces ``task.format_prompt``
-    (e.g. to show a goal-conditioned policy its weighting). Returns the metrics and the slot
-    vectors (kept as an artifact for later analysis)."""
+    (e.g. to show a goal-conditioned policy its weighting); ``load`` / ``engine``: how the policy is
+    loaded (device, dtype) or its vLLM engine built (:func:`vpo.generation.sample`). Returns the metrics
+    and the slot vectors (kept as an artifact for later analysis)."""
     from vpo.generation import sample
 
     if pool not in POOLS:  # before any sampling
@@ -129,6 +131,7 @@ def evaluate_policy(task: Task, model_dir: str, rows: Sequence[Mapping[str, Any]
     n_chains = math.ceil(n_samples / m)
     prompts = [(prompt_fn or task.format_prompt)(r, m) for r in rows]
     completions = sample(model_dir, None, prompts, n=n_chains, max_new_tokens=max_new_tokens,
-                         temperature=temperature, seed=seed, backend=backend, progress=progress)
+                         temperature=temperature, seed=seed, backend=backend, progress=progress, load=load,
+                         engine=engine)
     vectors = score_completions(task, rows, completions, m)
     return evaluate_pools(task, rows, vectors, ks, num_weights=num_weights, seed=seed, pool=pool), vectors

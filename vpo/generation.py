@@ -9,7 +9,9 @@ template and its generation prompt. Two backends share that contract:
   when ``temperature == 0``), top-k disabled, in chunks of at most ``batch_size`` sequences.
   Reproducible for a given seed, model and chunking; the global torch RNG is left untouched.
 * ``"vllm"``: ``vllm.LLM(model=path).generate(prompts, SamplingParams(n=..., seed=...))`` for GPU
-  machines; used only when ``import vllm`` works (it is an optional extra).
+  machines, when ``import vllm`` works in this process. One engine at a time (:class:`EngineSlot`):
+  asking for another checkpoint's engine shuts the current one down and frees its GPU memory first, so
+  each engine can take the share ``gpu_memory_utilization`` gives it.
 
 :func:`generate_batch` is the lower-level transformers call that also returns token ids and masks,
 for trainers that need the sampled tokens (left-padded prompt ids + right-padded completion ids).
@@ -17,8 +19,9 @@ for trainers that need the sampled tokens (left-padded prompt ids + right-padded
 
 from __future__ import annotations
 
+import gc
 import importlib.util
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +32,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from vpo.chat import Messages, is_conversation, tokenize_prompts
 from vpo.shared_prefix import shared_prefix_generate
 
-__all__ = ["BACKENDS", "Generation", "generate_batch", "load_policy", "sample", "vllm_available"]
+__all__ = ["BACKENDS", "ENGINES", "VLLM_MISSING", "EngineSlot", "Generation", "generate_batch", "load_policy",
+           "policy_device", "release_policy", "sample", "vllm_available"]
 
 BACKENDS = ("transformers", "vllm")
 
@@ -39,11 +43,31 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def load_policy(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a saved causal LM and its tokenizer (left padding enforced) in eval mode."""
+VLLM_MISSING = ("the vllm backend needs vLLM importable in this process, and vLLM cannot be installed beside vpo "
+                "(its fastapi pin conflicts with prefect's; it runs from its own environment as a server, see "
+                "docs/gpu.md): sample with the transformers backend on the GPU instead (evaluation.use_vllm: false)")
+"""What the vLLM backend says when vLLM is not importable here (the truth about installing it)."""
+
+
+def policy_device(cuda: bool | None = None) -> str:
+    """Where a policy is sampled: the first GPU this process sees (a stage slot's ``CUDA_VISIBLE_DEVICES``
+    restricts it to its own), else the CPU. ``cuda``: whether CUDA is available (None: ask torch)."""
+    if cuda is None:
+        cuda = torch.cuda.is_available()
+    return "cuda:0" if cuda else "cpu"
+
+
+def load_policy(path: str | Path, *, device: str | torch.device | None = None, dtype: str | torch.dtype = "auto",
+                **init_kwargs: Any) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a saved causal LM and its tokenizer (left padding enforced) in eval mode, on ``device``
+    (default :func:`policy_device`) in ``dtype`` (``"auto"``: the dtype it was saved in); ``init_kwargs``
+    go to ``from_pretrained`` (e.g. ``attn_implementation``). The weights are read straight onto the device."""
     tok = AutoTokenizer.from_pretrained(str(path))
     tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(str(path))
+    target = torch.device(device if device is not None else policy_device())
+    if isinstance(dtype, str) and dtype != "auto":
+        dtype = getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, device_map=str(target), **init_kwargs)
     model.eval()
     return model, tok
 
@@ -130,21 +154,25 @@ def sample(
     batch_size: int = 256,
     backend: str = "transformers",
     progress: bool = False,
+    load: Mapping[str, Any] | None = None,
+    engine: Mapping[str, Any] | None = None,
 ) -> list[list[str]]:
     """Sample ``n`` completions for every prompt; returns ``[[completion] * n] * len(prompts)``.
 
     ``model`` is a checkpoint folder or a loaded model (``tokenizer`` may be None for a folder).
     ``batch_size`` bounds the number of sequences generated at once (transformers backend).
     Prompts are plain text or conversations (rendered with the chat template), one kind per call.
+    ``load``: :func:`load_policy` options for a folder (device, dtype, ...); ``engine``: ``vllm.LLM``
+    options (``gpu_memory_utilization``, ``dtype``, ...).
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
     if not prompts:
         return []
     if backend == "vllm":
-        return _sample_vllm(model, prompts, n, max_new_tokens, temperature, seed, top_p)
+        return _sample_vllm(model, prompts, n, max_new_tokens, temperature, seed, top_p, engine or {})
     if isinstance(model, (str, Path)):
-        loaded, tok = load_policy(model)
+        loaded, tok = load_policy(model, **dict(load or {}))
         model, tokenizer = loaded, tokenizer or tok
     if tokenizer is None:
         raise ValueError("a tokenizer is needed when model is an in-memory model")
@@ -170,7 +198,69 @@ def sample(
     return results
 
 
-_VLLM_ENGINES: dict[str, Any] = {}
+class EngineSlot:
+    """At most one generation engine alive in this process. :meth:`get` returns the engine of ``key``,
+    building it with ``build(key, **options)``; when another key's engine is alive it is released first
+    (``release(engine)``: shut down, references dropped, GPU memory returned), so a new engine never
+    starts beside an old one. An engine with the same key but other options is rebuilt the same way."""
+
+    def __init__(self, build: Callable[..., Any], release: Callable[[Any], None]) -> None:
+        self._build, self._release = build, release
+        self.key: tuple[str, tuple[tuple[str, Any], ...]] | None = None
+        self.engine: Any = None
+
+    def get(self, key: str, **options: Any) -> Any:
+        """The engine of ``key`` with ``options`` (the one alive, or a new one after releasing it)."""
+        wanted = (key, tuple(sorted(options.items())))
+        if self.engine is not None and self.key == wanted:
+            return self.engine
+        self.close()
+        self.engine, self.key = self._build(key, **options), wanted
+        return self.engine
+
+    def close(self) -> None:
+        """Release the engine alive (if any); the next :meth:`get` builds a new one."""
+        engine, self.engine, self.key = self.engine, None, None
+        if engine is not None:
+            self._release(engine)
+
+
+def _build_vllm(key: str, **options: Any) -> Any:
+    from vllm import LLM
+
+    return LLM(model=key, **options)
+
+
+def _release_vllm(engine: Any) -> None:
+    """Shut a vLLM engine down (its engine-core process, the distributed state it set up) and return its
+    GPU memory before the next engine starts."""
+    core = getattr(getattr(engine, "llm_engine", None), "engine_core", None)
+    if core is not None and callable(getattr(core, "shutdown", None)):
+        core.shutdown()
+    del engine
+    try:
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+        destroy_model_parallel()
+        destroy_distributed_environment()
+    except (ImportError, AssertionError, RuntimeError):  # nothing was set up, or another vLLM layout
+        pass
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+ENGINES = EngineSlot(_build_vllm, _release_vllm)
+"""This process's one vLLM engine (evaluation and search sample one policy after another)."""
+
+
+def release_policy() -> None:
+    """Free what the last policy held before the next one loads: its vLLM engine (:data:`ENGINES`) and the
+    CUDA allocator's cached blocks of a transformers model already dropped."""
+    ENGINES.close()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _sample_vllm(
@@ -181,18 +271,16 @@ def _sample_vllm(
     temperature: float,
     seed: int,
     top_p: float,
+    engine: Mapping[str, Any],
 ) -> list[list[str]]:
-    """vLLM backend: one engine per checkpoint folder, reused across calls."""
+    """vLLM backend: the checkpoint folder's engine (:data:`ENGINES`, one alive at a time)."""
     if not vllm_available():
-        raise RuntimeError("backend='vllm' needs the optional vllm extra (pip install 'vpo[vllm]') and a GPU")
+        raise RuntimeError(VLLM_MISSING)
     if not isinstance(model, (str, Path)):
         raise TypeError("the vllm backend loads models by path; pass the checkpoint folder")
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    key = str(Path(model).resolve())
-    if key not in _VLLM_ENGINES:
-        _VLLM_ENGINES[key] = LLM(model=key, seed=seed)
-    llm = _VLLM_ENGINES[key]
+    llm = ENGINES.get(str(Path(model).resolve()), **dict(engine))  # each request is seeded (SamplingParams)
     params = SamplingParams(
         n=n,
         temperature=max(0.0, float(temperature)),

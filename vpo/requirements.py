@@ -9,7 +9,7 @@ to ``pyproject.toml``'s extras and ``infra/Dockerfile.gpu``. Pure: nothing here 
 from __future__ import annotations
 
 import importlib.metadata
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 __all__ = ["FEATURES", "REQUIREMENTS", "TORCH_CUDA", "TORCH_GPU_INSTALL", "VLLM_ENV", "VLLM_INSTALL", "VLLM_TORCH",
@@ -95,25 +95,27 @@ def needed(features: Iterable[str]) -> list[Requirement]:
 
 
 def problems(requirements: Iterable[Requirement],
-             version_of: Callable[[str], str | None] = installed_version) -> list[str]:
+             version_of: Callable[[str], str | None] = installed_version,
+             why: Mapping[str, str] | None = None) -> list[str]:
     """One line per requirement that is missing or whose installed version is outside its spec, each
-    with what needs it and the install command; empty when everything is in place."""
+    with what needs it and the install command; empty when everything is in place. ``why`` names, per
+    feature key, what asks for it (a pipeline's settings); default :data:`FEATURES`' text."""
     from packaging.specifiers import SpecifierSet
     from packaging.version import InvalidVersion, Version
 
     out = []
     for r in requirements:
         found = version_of(r.package)
-        why = FEATURES[r.feature]
+        reason = (why or {}).get(r.feature) or FEATURES[r.feature]
         if found is None:
-            out.append(f"{r.package} is not installed (needed for {why}): {r.install}")
+            out.append(f"{r.package} is not installed (needed for {reason}): {r.install}")
             continue
         try:
             ok = Version(found) in SpecifierSet(r.spec)
         except InvalidVersion:
             ok = False
         if not ok:
-            out.append(f"{r.package} {found} is installed but {why} needs {r.package}{r.spec}: {r.install}")
+            out.append(f"{r.package} {found} is installed but {reason} needs {r.package}{r.spec}: {r.install}")
     return out
 
 

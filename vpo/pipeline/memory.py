@@ -7,7 +7,8 @@ when it exists, else the model folder, the Hugging Face cache, or a config shipp
 setting as the pipeline resolved it), ``trainer.lora``, the accelerate config file (ZeRO stage, FSDP, processes)
 and the device (CUDA memory, else the RAM available).
 
-``vpo plan`` prints the plan of every enabled arm (:func:`main`); the train stage calls
+``vpo plan`` prints the plan of every enabled arm, of the evaluation phase (:func:`evaluation_plan`) and
+the pre-flight of this environment (:func:`main`); the train stage calls
 :func:`check_plan` before it loads the model and stops with one error naming the setting to change.
 ``VPO_MEMORY_PLAN=warn`` turns that refusal into a warning (the estimate is coarse: benchmarks/memory_plan.py).
 """
@@ -15,6 +16,7 @@ and the device (CUDA memory, else the RAM available).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -39,16 +41,17 @@ from vpo.memory import (
     plan_step,
     ram,
 )
+from vpo.memory.evaluation import EvalPlan, check_evaluation, format_evaluation, plan_evaluation
 from vpo.pipeline.config import PipelineConfig
 from vpo.pipeline.config.layout import ArmRun, RunLayout
-from vpo.pipeline.config.settings import vpo_config_kwargs
+from vpo.pipeline.config.settings import deepspeed_zero, vpo_config_kwargs
 from vpo.pipeline.engine.console import detail, log
 from vpo.pipeline.engine.context import build_task
 from vpo.pipeline.engine.errors import StageError
 from vpo.pipeline.engine.inputs import stage_command
 
-__all__ = ["MODEL_CONFIGS", "PLAN_ENV", "arm_plan", "check_plan", "local_device", "model_shape", "parallel_of",
-           "shipped_config"]
+__all__ = ["MODEL_CONFIGS", "PLAN_ENV", "arm_plan", "check_plan", "evaluation_plan", "local_device", "model_shape",
+           "parallel_of", "preflight_lines", "shipped_config"]
 
 MODEL_CONFIGS = Path(__file__).resolve().parents[1] / "data" / "model_configs"
 """``config.json`` files of the models the presets name, so a plan needs no download."""
@@ -160,23 +163,12 @@ def parallel_of(cfg: PipelineConfig, processes: int | None = None) -> Parallel:
     world = int(processes or acc.get("num_processes") or 1)
     kind = str(acc.get("distributed_type", "NO")).upper()
     if kind == "DEEPSPEED":
-        ds = acc.get("deepspeed_config") or {}
-        stage = ds.get("zero_stage")
-        off_opt, off_par = ds.get("offload_optimizer_device"), ds.get("offload_param_device")
-        if ds.get("deepspeed_config_file"):
-            ds_path = Path(str(ds["deepspeed_config_file"]))
-            for cand in (cfg.resolve_path(ds_path), path.parent / ds_path.name, ds_path.expanduser().resolve()):
-                if cand.is_file():
-                    zero = (json.loads(cand.read_text()).get("zero_optimization") or {})
-                    stage = zero.get("stage", stage)
-                    off_opt = (zero.get("offload_optimizer") or {}).get("device", off_opt)
-                    off_par = (zero.get("offload_param") or {}).get("device", off_par)
-                    break
-            else:
-                raise StageError(f"trainer.accelerate_config {value!r}: its deepspeed_config_file "
-                                 f"{ds['deepspeed_config_file']!r} does not exist")
-        return Parallel(world_size=world, zero_stage=int(stage or 0), offload_optimizer=off_opt in ("cpu", "nvme"),
-                        offload_params=off_par in ("cpu", "nvme"), source=str(path))
+        try:
+            zero = deepspeed_zero(cfg, acc, path)
+        except ValueError as exc:
+            raise StageError(f"trainer.accelerate_config {value!r}: {exc}") from None
+        return Parallel(world_size=world, zero_stage=zero.stage, offload_optimizer=zero.offload_optimizer,
+                        offload_params=zero.offload_params, source=str(path))
     if kind == "FSDP":
         fs = acc.get("fsdp_config") or {}
         return Parallel(world_size=world, fsdp=True, offload_params=bool(fs.get("fsdp_offload_params")),
@@ -295,21 +287,62 @@ def plan_pipeline(cfg: PipelineConfig, *, device: Device, processes: int | None 
     return out
 
 
+def evaluation_plan(cfg: PipelineConfig, *, device: Device, shape: tuple[ModelShape, str, str] | None = None
+                    ) -> tuple[str, EvalPlan]:
+    """(label, plan) of the evaluation phase: the policy that needs the most memory (its rollouts per
+    problem, ``ceil(n_samples / m)``, and completion length), sampled as the evaluate and search stages
+    sample it (:func:`vpo.pipeline.engine.policy.sampling_options`: its dtype, transformers or vLLM)."""
+    from vpo.pipeline.engine.preflight import init_kwargs
+
+    model, saved_dtype, _ = shape or model_shape(cfg)
+    ev = cfg.evaluation
+    dtype = init_kwargs(cfg.trainer.model_init_kwargs).get("dtype", "auto")
+    dtype = saved_dtype if dtype == "auto" else dtype
+    best: tuple[str, EvalPlan] | None = None
+    for a in cfg.enabled_arms:
+        plan = plan_evaluation(model, device=device, dtype=dtype, prompt_tokens=_prompt_tokens(cfg),
+                               completion_tokens=a.completion_length(cfg.trainer),
+                               rollouts=math.ceil(ev.n_samples / a.num_answers),
+                               problems=ev.max_problems or 10**9, backend="vllm" if ev.use_vllm else "transformers",
+                               vllm_gpu_memory_utilization=ev.vllm_gpu_memory_utilization)
+        if best is None or plan.peak > best[1].peak:
+            best = (f"{cfg.name}/evaluation (largest policy: {a.name}, {ev.n_samples} samples per problem)", plan)
+    assert best is not None  # a pipeline has at least one enabled arm
+    return best
+
+
+def preflight_lines(cfg: PipelineConfig, *, local: bool) -> list[str]:
+    """``vpo plan``'s report of the pre-flight (:mod:`vpo.pipeline.engine.preflight`): this environment's
+    packages, and with ``local`` (planning for this machine) its devices too."""
+    from vpo.pipeline.engine import preflight
+
+    return preflight.problems(cfg) if local else preflight.package_problems(cfg)
+
+
 def main(cfg: PipelineConfig, *, device: str | None = None, memory_gib: float | None = None,
          tflops: float | None = None, processes: int | None = None, arm: str | None = None,
          as_json: bool = False) -> int:
-    """``vpo plan``: print every arm's plan; exit 2 with one ``error:`` line per arm that does not fit."""
+    """``vpo plan``: print every arm's plan, the evaluation phase's and the pre-flight; exit 2 with one
+    ``error:`` line per plan that does not fit (and, planning for this machine, per pre-flight problem)."""
     import sys
 
     dev = target_device(device, memory_gib, tflops)
     shape = model_shape(cfg)
     plans = plan_pipeline(cfg, device=dev, processes=processes, arm=arm, shape=shape)
+    eval_label, eval_plan = evaluation_plan(cfg, device=dev, shape=shape)
+    local = device is None and memory_gib is None
+    pre = preflight_lines(cfg, local=local)
     if as_json:
         print(json.dumps([_plan_json(label, p) for label, p in plans], indent=2))
     else:
         print(f"model config: {shape[2]}")
         for label, p in plans:
             print(format_plan(p, label=label))
+        print(format_evaluation(eval_plan, label=eval_label))
+        where = "of this machine" if local else "of this environment's packages (the plan is for another device)"
+        print(f"pre-flight {where}: " + ("ok" if not pre else f"{len(pre)} problem{'s' if len(pre) != 1 else ''}"))
+        for line in pre:
+            print(f"  {line}")
     failed = 0
     for label, p in plans:
         try:
@@ -317,6 +350,14 @@ def main(cfg: PipelineConfig, *, device: str | None = None, memory_gib: float | 
         except PlanError as exc:
             print(f"error: {exc}", file=sys.stderr)
             failed += 1
+    try:
+        check_evaluation(eval_plan, label=eval_label)
+    except PlanError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        failed += 1
+    if local and pre:
+        print(f"error: pipeline {cfg.name!r} cannot run on this machine (pre-flight above)", file=sys.stderr)
+        failed += 1
     return 2 if failed else 0
 
 

@@ -24,14 +24,9 @@ from vpo.pipeline.config.layout import RunLayout, arm_runs
 from vpo.pipeline.engine.console import log, shown_path, stage_done, stage_started
 from vpo.pipeline.engine.context import StageContext
 from vpo.pipeline.engine.errors import StageError, disk_full, full_disk_text
-from vpo.pipeline.engine.execution import (
-    Concurrency,
-    check_hardware,
-    concurrency,
-    stage_threads,
-    torch_threads,
-)
+from vpo.pipeline.engine.execution import Concurrency, concurrency, stage_threads, torch_threads
 from vpo.pipeline.engine.fanout import StageProcessFailed, run_processes
+from vpo.pipeline.engine.preflight import GPU_STAGES, check_hardware, check_preflight
 from vpo.pipeline.engine.state import (
     Fingerprint,
     code_hashes,
@@ -128,7 +123,7 @@ def run_step(cfg: PipelineConfig, step: Step, *, layout: RunLayout | None = None
         remove_stale_temps(path, older_than_s=0.0)
         if path.is_dir():
             remove_temps_in(path)
-    if step.stage.name in ("train", "evaluate", "search"):
+    if step.stage.name in GPU_STAGES:
         check_hardware(cfg)  # a GPU setting the machine cannot honour: one clear error before any work
     t0 = time.time()
     ctx = StageContext(cfg, layout, step.stage.name, step.run, fp, progress=progress)
@@ -200,6 +195,7 @@ def run_all(cfg: PipelineConfig, stages: Sequence[str] | None = None, *, search:
 
     layout = RunLayout.of(cfg)
     steps = steps_of(cfg, stages, search=search)
+    check_preflight(cfg, [s.stage.name for s in steps])  # packages and devices, before the data stage
     results: dict[str, Any] = {}
     with pipeline_lock(layout.root, cfg.variant):
         for group in independent_groups(steps):

@@ -33,6 +33,7 @@ from vpo.sandbox.config import (
     TestResult,
     benchmark_payloads,
     default_hide_paths,
+    rank_workers,
 )
 from vpo.sandbox.pool import Sandbox, private_view_available
 
@@ -52,6 +53,7 @@ __all__ = [
     "default_hide_paths",
     "encode_value",
     "private_view_available",
+    "rank_workers",
     "stdout_matches",
     "values_match",
 ]

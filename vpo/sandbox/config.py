@@ -36,6 +36,7 @@ from vpo.sandbox.compare import CMP_KINDS, DEFAULT_ABS_TOL, DEFAULT_REL_TOL
 
 __all__ = [
     "DEFAULT_PRELUDE",
+    "LOCAL_WORLD_ENV",
     "CandidateResult",
     "Job",
     "SandboxConfig",
@@ -45,6 +46,8 @@ __all__ = [
     "TestResult",
     "benchmark_payloads",
     "default_hide_paths",
+    "local_world",
+    "rank_workers",
     "report_protections",
     "weaker_allowed",
 ]
@@ -375,6 +378,24 @@ def _usable_cpus() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
         return max(1, os.cpu_count() or 1)
+
+
+LOCAL_WORLD_ENV = "LOCAL_WORLD_SIZE"
+"""Set by torchrun / ``accelerate launch`` in each rank: the processes of one run on this node."""
+
+
+def rank_workers(configured: int | None, cores: int, local_world: int) -> int:
+    """Sandboxes of one rank: the configured number (else the usable cores) is the node's, shared by the
+    ``local_world`` ranks of a run that each start their own pool (at least one each)."""
+    return max(1, (configured or cores) // max(1, local_world))
+
+
+def local_world() -> int:
+    """The ranks of this run on this node (:data:`LOCAL_WORLD_ENV`; 1 outside a launch)."""
+    try:
+        return max(1, int(os.environ.get(LOCAL_WORLD_ENV, "1")))
+    except ValueError:
+        return 1
 
 
 def _unhideable(path: str) -> str | None:

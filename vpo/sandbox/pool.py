@@ -42,6 +42,8 @@ from vpo.sandbox.config import (
     _usable_cpus,
     benchmark_payloads,
     default_hide_paths,
+    local_world,
+    rank_workers,
     weaker_allowed,
 )
 from vpo.sandbox.judging import JobRun
@@ -257,7 +259,8 @@ class _Resources:
 class Sandbox:
     """Runs candidate programs against tests in isolated, resource-limited processes.
 
-    Thread-safe; :meth:`run` spreads a batch over ``config.workers`` threads in parallel. The
+    Thread-safe; :meth:`run` spreads a batch over ``workers`` threads in parallel (``config.workers``, else
+    the usable cores; in a rank of a launched run, its share of them: :func:`rank_workers`). The
     first :meth:`run` (or :meth:`start`) checks that every promised protection can be set up and
     raises one :class:`SandboxError` naming what cannot. Call :meth:`close` (or use it as a
     context manager) to stop the fork servers and remove its cgroups; they also go when this
@@ -283,7 +286,7 @@ class Sandbox:
         self._allow = weaker_allowed(cfg)
         self._io_devices = tuple(cgroups.block_devices(_view_paths(python)))
         self._event_cap = 8 * cfg.max_output_bytes + _EVENT_SLACK
-        self.workers = cfg.workers or _usable_cpus()
+        self.workers = rank_workers(cfg.workers, _usable_cpus(), local_world())  # its share under a launch
         self._max_zygotes = 2 * self.workers + 2
         if self._max_zygotes > BLOCK:
             raise SandboxError(f"workers={self.workers} needs {self._max_zygotes} fork servers; at most {BLOCK} can run")

@@ -50,6 +50,7 @@ class ModelProposer:
     With the transformers backend the model is loaded once on first use
     (:func:`vpo.generation.load_policy`) and kept until :meth:`close`; with ``load=False`` or a
     non-transformers ``backend`` (e.g. ``"vllm"``, which loads by path) the folder path is passed.
+    ``load_kwargs`` go to :func:`~vpo.generation.load_policy` (device, dtype, attn_implementation).
 
     Chat models get conversations: a plain-text prompt becomes one user turn (after
     ``system_message`` if given) when ``chat`` is True, or, with ``chat=None`` (the default), when
@@ -72,8 +73,10 @@ class ModelProposer:
         sample_kwargs: Mapping[str, Any] | None = None,
         chat: bool | None = None,
         system_message: str | None = None,
+        load_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         self.model_dir = str(model_dir)
+        self.load_kwargs = dict(load_kwargs or {})
         self.chat = chat
         self.system_message = system_message
         self.max_new_tokens = max_new_tokens
@@ -99,14 +102,19 @@ class ModelProposer:
         if self._model is None:
             from vpo.generation import load_policy
 
-            self._model, tok = load_policy(self.model_dir)
+            self._model, tok = load_policy(self.model_dir, **self.load_kwargs)
             if self._tokenizer is None:
                 self._tokenizer = tok
         return fn, self._model, self._tokenizer
 
     def close(self) -> None:
-        """Drop the loaded model (frees memory between arms); it reloads on next use."""
+        """Drop the loaded model or this checkpoint's vLLM engine (frees memory between arms); it reloads on
+        next use."""
         self._model = None
+        if self.backend == "vllm":
+            from vpo.generation import release_policy
+
+            release_policy()
 
     def _conversation(self, prompt: Prompt, chat: bool) -> Prompt:
         """A plain prompt as [system?, user] messages when the model is a chat model."""

@@ -240,6 +240,18 @@ class PipelineConfig(Strict):
         self.__dict__["arms"] = resolved  # frozen: the arms are replaced once, while validating
         return self
 
+    @model_validator(mode="after")
+    def _resolve_evaluation(self) -> PipelineConfig:
+        """``evaluation.use_vllm`` unset: the trainer's ``use_vllm`` (a pipeline that generates with vLLM while
+        training evaluates with it too); what the file set stays its own."""
+        ev = self.evaluation
+        if ev.use_vllm is None:
+            values = {n: getattr(ev, n) for n in EvaluationConfig.model_fields}
+            values["use_vllm"] = bool(self.trainer.use_vllm)
+            self.__dict__["evaluation"] = EvaluationConfig.model_construct(_fields_set=set(ev.model_fields_set),
+                                                                           **values)
+        return self
+
     @property
     def enabled_arms(self) -> list[ArmConfig]:
         """The arms that will be trained, in file order."""

@@ -206,7 +206,12 @@ class EvaluationConfig(Strict):
     split: str = "test"
     max_problems: PositiveInt | None = None
     seed: int = 0
-    use_vllm: bool = Field(default=False, description="sample with vLLM's offline engine (GPU, optional extra)")
+    use_vllm: bool | None = Field(
+        default=None, description="sample with vLLM's offline engine, one policy's engine at a time (GPU; default: "
+                                  "trainer.use_vllm)")
+    vllm_gpu_memory_utilization: float = Field(
+        default=0.9, gt=0.0, le=1.0, description="share of the GPU's memory the one vLLM engine takes (weights + KV "
+                                                 "cache); it is released before the next policy's engine starts")
     pool: Literal["rollouts", "slots"] = Field(
         default="rollouts",
         description="rollouts: best@k of an m-answer policy over ceil(k/m) whole rollouts (the paper's text); "

@@ -9,7 +9,10 @@ itself (:data:`~vpo.pipeline.config.fields.RESERVED`). :func:`arm_batch` is TRL'
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,22 +22,65 @@ if TYPE_CHECKING:
     from vpo.pipeline.config.layout import ArmRun
     from vpo.pipeline.config.schema import ArmConfig, PipelineConfig
 
-__all__ = ["accelerate_processes", "arm_batch", "peft_config", "vpo_config_kwargs", "world_size"]
+__all__ = ["Zero", "accelerate_processes", "accelerate_settings", "arm_batch", "deepspeed_zero", "distributed_type",
+           "peft_config", "vpo_config_kwargs", "world_size"]
+
+
+def accelerate_settings(cfg: PipelineConfig) -> dict[str, Any]:
+    """The mapping in ``trainer.accelerate_config`` (empty: no such setting, or the file cannot be read)."""
+    import yaml
+
+    if not cfg.trainer.accelerate_config:
+        return {}
+    try:
+        data = yaml.safe_load(cfg.resolve_path(cfg.trainer.accelerate_config).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+@dataclass(frozen=True)
+class Zero:
+    """DeepSpeed ZeRO of an accelerate config: its stage and whether it offloads the optimizer / parameters."""
+
+    stage: int = 0
+    offload_optimizer: bool = False
+    offload_params: bool = False
+
+
+def deepspeed_zero(cfg: PipelineConfig, acc: Mapping[str, Any], path: Path) -> Zero:
+    """The :class:`Zero` of the DEEPSPEED accelerate config ``acc`` (read from ``path``): its
+    ``deepspeed_config`` keys, overridden by the ``zero_optimization`` of its ``deepspeed_config_file``
+    (looked for beside the pipeline's file, beside ``path``, then as written). A missing file is a
+    :class:`ValueError` naming it."""
+    ds = acc.get("deepspeed_config") or {}
+    stage = ds.get("zero_stage")
+    off_opt, off_par = ds.get("offload_optimizer_device"), ds.get("offload_param_device")
+    if ds.get("deepspeed_config_file"):
+        ds_path = Path(str(ds["deepspeed_config_file"]))
+        for cand in (cfg.resolve_path(ds_path), path.parent / ds_path.name, ds_path.expanduser().resolve()):
+            if cand.is_file():
+                zero = (json.loads(cand.read_text()).get("zero_optimization") or {})
+                stage = zero.get("stage", stage)
+                off_opt = (zero.get("offload_optimizer") or {}).get("device", off_opt)
+                off_par = (zero.get("offload_param") or {}).get("device", off_par)
+                break
+        else:
+            raise ValueError(f"its deepspeed_config_file {ds['deepspeed_config_file']!r} does not exist")
+    return Zero(int(stage or 0), off_opt in ("cpu", "nvme"), off_par in ("cpu", "nvme"))
 
 
 def accelerate_processes(cfg: PipelineConfig) -> int | None:
     """``num_processes`` of ``trainer.accelerate_config`` (None: no such file setting, or it names none or
     cannot be read)."""
-    import yaml
-
-    if not cfg.trainer.accelerate_config:
-        return None
-    try:
-        data = yaml.safe_load(cfg.resolve_path(cfg.trainer.accelerate_config).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        return None
-    value = data.get("num_processes") if isinstance(data, dict) else None
+    value = accelerate_settings(cfg).get("num_processes")
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def distributed_type(cfg: PipelineConfig) -> str:
+    """``distributed_type`` of ``trainer.accelerate_config`` in capitals (DEEPSPEED, FSDP, MULTI_GPU, ...);
+    ``NO`` without one."""
+    return str(accelerate_settings(cfg).get("distributed_type") or "NO").upper()
 
 
 def world_size(cfg: PipelineConfig) -> int:

@@ -23,22 +23,19 @@ stage process reads its thread count from :data:`THREADS_ENV` when its parent se
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from vpo.pipeline.config.layout import arm_runs
-from vpo.pipeline.config.settings import accelerate_processes, arm_batch
-from vpo.pipeline.engine.errors import StageError
+from vpo.pipeline.config.settings import accelerate_processes
 
 if TYPE_CHECKING:
     from vpo.pipeline.config import PipelineConfig
 
-__all__ = ["THREADS_ENV", "Concurrency", "Machine", "Slot", "check_hardware", "concurrency", "stage_threads",
+__all__ = ["THREADS_ENV", "Concurrency", "Machine", "RankShare", "Slot", "concurrency", "rank_share", "stage_threads",
            "torch_threads"]
 
 THREADS_ENV = "VPO_STAGE_THREADS"
@@ -176,6 +173,51 @@ def concurrency(cfg: PipelineConfig, n_stages: int, machine: Machine | None = No
     return Concurrency(max(1, int(n)), threads, devices, machine, reason)
 
 
+@dataclass(frozen=True)
+class RankShare:
+    """What each of the ``ranks`` processes of one launched run (``accelerate launch`` on this node) gets:
+    its ``threads`` of the run's torch threads and, for a task with a sandbox, its ``workers`` of the
+    sandboxes (each rank scores its own completions in its own pool: :func:`vpo.sandbox.rank_workers`)."""
+
+    ranks: int
+    threads: int
+    workers: int | None
+    run_threads: int
+    node_workers: str
+
+    def env(self) -> dict[str, str]:
+        """The launch's environment: every rank's torch and BLAS threads (the ranks read
+        :data:`THREADS_ENV`; ``accelerate launch`` passes ``OMP_NUM_THREADS`` on as it is)."""
+        return Slot(0, self.threads).env()
+
+    def describe(self) -> str:
+        """``8 ranks: 12 torch threads each (96 / 8), 4 sandbox workers each (task.params.sandbox.workers 32 / 8)``."""
+        text = (f"{self.ranks} rank{'s' if self.ranks != 1 else ''}: {self.threads} torch thread"
+                f"{'s' if self.threads != 1 else ''} each ({self.run_threads} / {self.ranks})")
+        if self.workers is not None:
+            text += (f", {self.workers} sandbox worker{'s' if self.workers != 1 else ''} each ({self.node_workers} / "
+                     f"{self.ranks})")
+        return text
+
+
+def rank_share(cfg: PipelineConfig, ranks: int, machine: Machine | None = None) -> RankShare:
+    """The share of each of ``ranks`` local processes of one run of ``cfg``: :func:`stage_threads` split
+    evenly (at least 1), and when the task runs a sandbox (the code task), its workers
+    (the setting, else this machine's cores) split the same way."""
+    from vpo.sandbox import rank_workers
+
+    machine = machine or Machine.detect()
+    ranks = max(1, ranks)
+    run_threads = stage_threads(cfg, machine=machine)
+    sandbox = (cfg.task.params or {}).get("sandbox")
+    workers, node = None, ""
+    if isinstance(sandbox, dict) or cfg.task.name == "code":  # the code task always scores in a sandbox
+        configured = sandbox.get("workers") if isinstance(sandbox, dict) else None
+        workers = rank_workers(configured, machine.cores, ranks)
+        node = f"task.params.sandbox.workers {configured}" if configured else f"{machine.cores} cores"
+    return RankShare(ranks, max(1, run_threads // ranks), workers, run_threads, node)
+
+
 @contextlib.contextmanager
 def torch_threads(n: int) -> Iterator[None]:
     """Run the block with ``n`` torch intra-op threads, then restore the previous number."""
@@ -190,43 +232,3 @@ def torch_threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
-
-
-def check_hardware(cfg: PipelineConfig, *, cuda: bool | None = None) -> None:
-    """Fail with one :class:`StageError` naming the setting when this machine cannot honour it (a GPU
-    setting on a CPU machine, a missing optional package or file, a batch TRL cannot split on the
-    world size)."""
-    if cuda is None:
-        import torch
-
-        cuda = torch.cuda.is_available()
-    where = f"pipeline {cfg.name!r}"
-    runs = [("trainer", cfg.trainer), *((f"arms.{a.name}", a) for a in cfg.enabled_arms)]
-    for key, section in runs:
-        if section.use_vllm and importlib.util.find_spec("vllm") is None:
-            raise StageError(f"{where}: {key}.use_vllm is true but vLLM is not installed (pip install 'vpo[vllm]', "
-                             f"GPU machines only); set {key}.use_vllm: false to generate with transformers")
-        if section.use_vllm and not cuda:
-            raise StageError(f"{where}: {key}.use_vllm is true but no CUDA GPU is visible; vLLM generation needs "
-                             f"one (set {key}.use_vllm: false on CPU machines)")
-        for flag in ("bf16", "fp16"):
-            if getattr(section, flag) and not cuda:
-                raise StageError(f"{where}: {key}.{flag} is true but no CUDA GPU is visible; CPU training runs in "
-                                 f"float32 (set {key}.{flag}: false)")
-    tr = cfg.trainer
-    if cfg.evaluation.use_vllm and importlib.util.find_spec("vllm") is None:
-        raise StageError(f"{where}: evaluation.use_vllm is true but vLLM is not installed (pip install "
-                         "'vpo[vllm]', GPU machines only); set evaluation.use_vllm: false to sample with transformers")
-    if cfg.evaluation.use_vllm and not cuda:
-        raise StageError(f"{where}: evaluation.use_vllm is true but no CUDA GPU is visible (set it to false on CPU)")
-    if tr.accelerate_config and importlib.util.find_spec("accelerate") is None:
-        raise StageError(f"{where}: trainer.accelerate_config is set but accelerate is not installed")
-    if tr.accelerate_config and not Path(cfg.resolve_path(tr.accelerate_config)).is_file():
-        raise StageError(f"{where}: trainer.accelerate_config {tr.accelerate_config!r} does not exist")
-    if tr.lora is not None and importlib.util.find_spec("peft") is None:
-        raise StageError(f"{where}: trainer.lora is set but peft is not installed (pip install 'vpo[chat]')")
-    for arm in cfg.enabled_arms:
-        try:
-            arm_batch(cfg, arm)
-        except ValueError as exc:
-            raise StageError(f"{where}: {exc}") from None

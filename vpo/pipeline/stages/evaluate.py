@@ -27,6 +27,7 @@ from vpo.pipeline.engine.console import mean_std, progress
 from vpo.pipeline.engine.console import table as table_out
 from vpo.pipeline.engine.context import StageContext
 from vpo.pipeline.engine.inputs import load_rows, stage_command
+from vpo.pipeline.engine.policy import sampling_options
 
 __all__ = ["policies", "run"]
 
@@ -223,6 +224,7 @@ def _save_npy(path: Path, array: np.ndarray) -> None:
 def run(ctx: StageContext) -> dict[str, Any]:
     """Sample, score and aggregate every policy; write ``eval/``."""
     from vpo.evaluate import evaluate_policy
+    from vpo.generation import release_policy
 
     cfg, layout, task = ctx.cfg, ctx.layout, ctx.task
     ev = cfg.evaluation
@@ -232,6 +234,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     per_run: dict[str, Any] = {}
     groups: dict[str, list[str]] = {}
     todo = policies(cfg, layout)
+    options = sampling_options(cfg)  # each policy on this stage's device in its dtype; one vLLM engine at a time
     for p in todo:  # every input checked before hours of sampling start
         fix = (f"rebuild it with `{stage_command(cfg, 'base')}`" if p.rid.startswith("base")
                else f"retrain it with `{stage_command(cfg, 'train', p.rid)}`")
@@ -246,7 +249,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
             res, vectors = evaluate_policy(task, str(p.model_dir), rows, m=p.m, n_samples=ev.n_samples, ks=ev.k,
                                            temperature=ev.temperature, max_new_tokens=p.max_new_tokens, seed=ev.seed,
                                            num_weights=ev.num_weights, pool=ev.pool, prompt_fn=_prompt_fn(task, p),
-                                           backend="vllm" if ev.use_vllm else "transformers")
+                                           **options)
+            release_policy()  # this policy's memory (model or vLLM engine) is free before the next one loads
             res["seconds"] = round(time.time() - t0, 1)
             _save_npy(tmp / "vectors" / layout.eval_vectors(p.rid).name, vectors)
             per_run[p.rid] = res

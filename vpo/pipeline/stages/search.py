@@ -30,6 +30,7 @@ from vpo.pipeline.engine.context import StageContext
 from vpo.pipeline.engine.errors import StageError
 from vpo.pipeline.engine.execution import concurrency, stage_threads, torch_threads
 from vpo.pipeline.engine.inputs import load_rows, read_json, read_npy, stage_command
+from vpo.pipeline.engine.policy import sampling_options
 from vpo.pipeline.engine.state import read_state, why_stale, write_state
 
 __all__ = ["run", "search_shard", "search_table"]
@@ -88,9 +89,11 @@ def _proposers(ctx: StageContext) -> dict[str, Any]:
     from vpo.search import ModelProposer
 
     cfg, layout = ctx.cfg, ctx.layout
+    opts = sampling_options(cfg)  # on this stage's device in the policy's dtype; one vLLM engine at a time
     return {r.arm.name: ModelProposer(str(layout.arm_model(r.rid)), max_new_tokens=r.arm.completion_length(cfg.trainer),
                                       system_message=getattr(ctx.task, "system_prompt", None),
-                                      backend="vllm" if cfg.evaluation.use_vllm else "transformers")
+                                      backend=opts["backend"], load_kwargs=opts["load"],
+                                      sample_kwargs={"engine": opts["engine"]})
             for r in arm_runs(cfg) if r.seed == r.arm.seeds[0]}
 
 

@@ -15,8 +15,11 @@ checkpoint is already at ``max_steps`` (killed while saving its final model) pub
 checkpoint's weights instead of training further. The final model folder is swapped in atomically;
 the checkpoints are deleted once the run's record is written (:mod:`vpo.pipeline.runner`).
 
-With ``trainer.accelerate_config`` the stage runs itself again under ``accelerate launch`` (multi-GPU);
-the launched processes train and rank 0 writes the outputs.
+With ``trainer.accelerate_config`` the stage runs itself again under ``accelerate launch`` (multi-GPU),
+each rank with its share of the threads and sandbox workers; the launched processes train, every rank
+takes part in gathering a sharded model (ZeRO-3, FSDP: :mod:`vpo.distributed_save`) and rank 0 writes
+the outputs. The model is loaded with the run's ``model_init_kwargs`` (:mod:`vpo.pipeline.engine.policy`),
+recorded in ``metrics.json`` (``model_init``).
 """
 
 from __future__ import annotations
@@ -38,12 +41,15 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from vpo.atomic import atomic_dir, atomic_write_json
-from vpo.pipeline.config.settings import arm_batch, peft_config, vpo_config_kwargs
+from vpo.distributed_save import save_from_shards
+from vpo.pipeline.config.settings import accelerate_processes, arm_batch, peft_config, vpo_config_kwargs
 from vpo.pipeline.engine.checkpoints import check_model_dir, checkpoint_step, latest_checkpoint
 from vpo.pipeline.engine.console import detail, format_numbers, log, progress
 from vpo.pipeline.engine.context import StageContext
 from vpo.pipeline.engine.errors import StageError
+from vpo.pipeline.engine.execution import rank_share
 from vpo.pipeline.engine.inputs import load_rows, stage_command
+from vpo.pipeline.engine.policy import load_train_model
 from vpo.pipeline.engine.processes import CHILD_ENV
 from vpo.pipeline.engine.state import read_state, why_stale, write_state
 from vpo.pipeline.memory import check_plan
@@ -277,10 +283,11 @@ def _summary(ctx: StageContext, log_history: Sequence[Mapping[str, Any]], second
 
 def _publish(ctx: StageContext, save_model: Any, tok: Any, log_history: Sequence[Mapping[str, Any]],
              seconds: float, resumed_from: str | None, measured: Mapping[str, Any] | None = None, *,
-             peft_model: Any = None) -> dict[str, Any]:
+             peft_model: Any = None, record: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Final model (atomic folder swap), history.json, then metrics.json. ``save_model(folder)`` writes
     the trained model; a LoRA run's ``peft_model`` is merged and saved instead (its adapter saved first,
-    through ``save_model``, into ``adapter/`` when ``trainer.lora.save_adapter`` asks for it)."""
+    through ``save_model``, into ``adapter/`` when ``trainer.lora.save_adapter`` asks for it). ``record``:
+    more of the run's record (how the model was loaded)."""
     layout, rid = ctx.layout, ctx.arm_run.rid
     lora = ctx.cfg.trainer.lora
     ctx.invalidate_record()  # the run folder is rewritten file by file from here on
@@ -300,7 +307,7 @@ def _publish(ctx: StageContext, save_model: Any, tok: Any, log_history: Sequence
         raise StageError(f"could not write the final model of {rid} to {layout.arm_model(rid)} ({exc}); is the "
                          f"disk full? Free space and run `{stage_command(ctx.cfg, 'train', rid)}` again: it "
                          "resumes from the last checkpoint") from None
-    summary = _summary(ctx, log_history, seconds, resumed_from, measured)
+    summary = {**_summary(ctx, log_history, seconds, resumed_from, measured), **(record or {})}
     # the whole run's log (restored from the checkpoint on resume), not only this process's part
     history = [{"step": rec.get("step"), **{k: v for k, v in rec.items() if isinstance(v, (int, float))
                                               and not isinstance(v, bool)}}
@@ -352,7 +359,7 @@ def _tracker_dirs(ctx: StageContext) -> Iterator[None]:
 def train(ctx: StageContext) -> dict[str, Any]:
     """Train the context's arm run (resuming when possible) and publish its outputs."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from vpo.trainer import VPOConfig, VPOTrainer
 
@@ -374,7 +381,7 @@ def train(ctx: StageContext) -> dict[str, Any]:
                          f"pipeline {cfg.name!r}: {str(exc).splitlines()[0]}") from None
     check_plan(ctx, args)  # refuse before loading the model when the memory plan does not fit
     tok = AutoTokenizer.from_pretrained(str(layout.base))
-    model = AutoModelForCausalLM.from_pretrained(str(layout.base))
+    model, model_init = load_train_model(cfg, run.arm, layout.base, world=int(args.world_size))  # model_init_kwargs
     callbacks: list[Any] = [ProgressFileCallback(layout.arm_progress(rid)),
                             ConsoleProgressCallback(f"train@{rid}", enabled=ctx.progress)]
     if "dvclive" in cfg.trainer.report_to:
@@ -408,6 +415,7 @@ def train(ctx: StageContext) -> dict[str, Any]:
     finally:
         trainer_log.removeFilter(missing_keys)
     elapsed = time.time() - t0
+    save_sharded = save_from_shards(trainer.model_wrapped)  # a collective under ZeRO-3 / FSDP: every rank gathers
     if not trainer.is_world_process_zero():
         return {}
     measured = {"optimizer_steps": trainer.state.global_step - start_step, "generation_rounds":
@@ -419,8 +427,8 @@ def train(ctx: StageContext) -> dict[str, Any]:
             f"{worst:.0%} at step {worst_step}); unparsed rollouts score zero and teach nothing: warm the base up "
             "longer (sft.steps) or raise max_completion_length")
     lora_model = trainer.accelerator.unwrap_model(trainer.model) if cfg.trainer.lora is not None else None
-    return _publish(ctx, trainer.save_model, tok, trainer.state.log_history, elapsed, resume.name if resume else None,
-                    measured, peft_model=lora_model)
+    return _publish(ctx, save_sharded or trainer.save_model, tok, trainer.state.log_history, elapsed,
+                    resume.name if resume else None, measured, peft_model=lora_model, record={"model_init": model_init})
 
 
 def _check_world(ctx: StageContext, world: int) -> None:
@@ -445,8 +453,10 @@ def _launch(ctx: StageContext, argv: Sequence[str]) -> dict[str, Any]:
     config_file = str(cfg.resolve_path(cfg.trainer.accelerate_config or ""))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config_file,
            "-m", "vpo.pipeline.cli", *argv]
-    log(f"{ctx.arm_run.rid}: launching `accelerate launch --config_file {cfg.trainer.accelerate_config}`")
-    proc = subprocess.run(cmd, env={**os.environ, CHILD_ENV: "1"}, check=False)
+    share = rank_share(cfg, accelerate_processes(cfg) or 1)
+    log(f"{ctx.arm_run.rid}: launching `accelerate launch --config_file {cfg.trainer.accelerate_config}`; "
+        f"{share.describe()}")
+    proc = subprocess.run(cmd, env={**os.environ, CHILD_ENV: "1", **share.env()}, check=False)
     if proc.returncode != 0:
         raise StageError(f"{ctx.arm_run.rid}: `accelerate launch` exited with {proc.returncode} (see its output "
                          f"above; trainer.accelerate_config = {cfg.trainer.accelerate_config})")
