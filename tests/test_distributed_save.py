@@ -22,6 +22,23 @@ SIZE = {"vocab_size": 48, "hidden_size": 16, "intermediate_size": 32, "num_hidde
         "tie_word_embeddings": False}
 
 
+
+def _save_and_report(rank: int, out: str, save: Any, trained: dict[str, Any], initial: dict[str, Any],
+                     report: dict[str, Any]) -> None:
+    """Rank 0 writes the model through ``save`` and compares what ``from_pretrained`` loads back with the
+    trained weights (and how far training moved them); every rank writes its report to ``out``."""
+    if rank == 0 and save is not None:
+        from transformers import AutoModelForCausalLM
+
+        save(out)
+        got = dict(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).named_parameters())
+        report["missing"] = sorted(set(trained) - set(got))
+        report["max_diff"] = max(float((got[n] - t).abs().max()) for n, t in trained.items() if n in got)
+        report["max_change"] = max(float((trained[n] - initial[n]).abs().max()) for n in trained)
+        report["n"] = len(trained)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(report))
+
 def _tiny() -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -68,18 +85,7 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
         kind_seen = sharding(model)
         save = save_from_shards(model)  # the collective: every rank calls it
         report: dict[str, Any] = {"rank": rank, "sharding": kind_seen, "save": save is not None}
-        if rank == 0 and save is not None:
-            from transformers import AutoModelForCausalLM
-
-            save(out)
-            loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-            got = dict(loaded.named_parameters())
-            report["missing"] = sorted(set(trained) - set(got))
-            report["max_diff"] = max(float((got[n] - t).abs().max()) for n, t in trained.items() if n in got)
-            report["max_change"] = max(float((trained[n] - initial[n]).abs().max()) for n in trained)
-            report["n"] = len(trained)
-        Path(out).mkdir(parents=True, exist_ok=True)
-        Path(out, f"rank{rank}.json").write_text(json.dumps(report))
+        _save_and_report(rank, out, save, trained, initial, report)
     finally:
         dist.destroy_process_group()
 
@@ -142,17 +148,7 @@ def _zero3_rank(rank: int, world: int, port: int, out: str) -> None:
         kind_seen = sharding(engine)
         save = save_from_shards(engine)  # the collective: every rank calls it
         report: dict[str, Any] = {"rank": rank, "sharding": kind_seen, "save": save is not None}
-        if rank == 0 and save is not None:
-            from transformers import AutoModelForCausalLM
-
-            save(out)
-            got = dict(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).named_parameters())
-            report["missing"] = sorted(set(trained) - set(got))
-            report["max_diff"] = max(float((got[n] - t).abs().max()) for n, t in trained.items() if n in got)
-            report["max_change"] = max(float((trained[n] - initial[n]).abs().max()) for n in trained)
-            report["n"] = len(trained)
-        Path(out).mkdir(parents=True, exist_ok=True)
-        Path(out, f"rank{rank}.json").write_text(json.dumps(report))
+        _save_and_report(rank, out, save, trained, initial, report)
     finally:
         dist.destroy_process_group()
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 import torch
-import yaml
 
+from tests.support.configs import write_pipeline
 from vpo import generation
 from vpo.generation import EngineSlot, load_policy, policy_device
 from vpo.memory import device_by_name
@@ -36,15 +36,6 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch.set_num_threads(before)
 
 
-def _pipeline(tmp_path: Path, trainer: dict[str, Any] | None = None, arms: list[dict[str, Any]] | None = None,
-              **sections: Any) -> C.PipelineConfig:
-    body = {"task": {"name": "route"}, "model": {"builder": "tiny"}, "trainer": trainer or {},
-            "arms": arms or [{"name": "v", "estimator": "vpo", "num_answers": 3}], **sections}
-    path = tmp_path / "pipelines.yaml"
-    path.write_text(yaml.safe_dump({"version": 1, "pipelines": {"p": body}}))
-    return C.load_pipeline("p", path)
-
-
 # ------------------------------------------------------------------ evaluation and search: where, what dtype
 
 
@@ -54,17 +45,17 @@ def test_the_policy_goes_on_the_first_visible_gpu_else_the_cpu() -> None:
 
 
 def test_sampling_options_follow_the_settings(tmp_path: Path) -> None:
-    plain = sampling_options(_pipeline(tmp_path), cuda=True)
+    plain = sampling_options(write_pipeline(tmp_path), cuda=True)
     assert plain == {"backend": "transformers", "load": {"device": "cuda:0", "dtype": "auto"},
                      "engine": {"gpu_memory_utilization": 0.9}}
-    cfg = _pipeline(tmp_path, trainer={"use_vllm": True, "model_init_kwargs": {"dtype": "bfloat16",
+    cfg = write_pipeline(tmp_path, trainer={"use_vllm": True, "model_init_kwargs": {"dtype": "bfloat16",
                                                                              "attn_implementation": "sdpa"}},
                     evaluation={"vllm_gpu_memory_utilization": 0.6})
     opts = sampling_options(cfg, cuda=False)
     assert opts == {"backend": "vllm", "load": {"device": "cpu", "dtype": "bfloat16", "attn_implementation": "sdpa"},
                     "engine": {"gpu_memory_utilization": 0.6, "dtype": "bfloat16"}}
     with pytest.raises(C.ConfigError, match="vllm_gpu_memory_utilization"):
-        _pipeline(tmp_path, evaluation={"vllm_gpu_memory_utilization": 1.5})
+        write_pipeline(tmp_path, evaluation={"vllm_gpu_memory_utilization": 1.5})
 
 
 def test_load_policy_puts_the_weights_on_the_device_in_the_dtype(tiny: Path) -> None:
@@ -164,21 +155,21 @@ def test_vpo_plan_covers_the_evaluation_phase(capsys: pytest.CaptureFixture[str]
 
 
 def test_train_load_kwargs_defaults_and_refusals(tmp_path: Path) -> None:
-    cfg = _pipeline(tmp_path)
+    cfg = write_pipeline(tmp_path)
     assert train_load_kwargs(cfg, cfg.arm("v"), world=1) == {"dtype": "auto", "device_map": None,
                                                              "trust_remote_code": False}
-    cfg = _pipeline(tmp_path, trainer={"model_init_kwargs": '{"attn_implementation": "sdpa", "device_map": "cpu"}'})
+    cfg = write_pipeline(tmp_path, trainer={"model_init_kwargs": '{"attn_implementation": "sdpa", "device_map": "cpu"}'})
     assert train_load_kwargs(cfg, cfg.arm("v"), world=1)["device_map"] == "cpu"  # one process: legal
     with pytest.raises(StageError, match=r"trainer.model_init_kwargs of pipeline 'p': device_map 'cpu' cannot be "
                                          r"used with 2 processes"):
         train_load_kwargs(cfg, cfg.arm("v"), world=2)
-    cfg = _pipeline(tmp_path, arms=[{"name": "v", "estimator": "vpo", "model_init_kwargs": {"dtype": "float8"}}])
+    cfg = write_pipeline(tmp_path, arms=[{"name": "v", "estimator": "vpo", "model_init_kwargs": {"dtype": "float8"}}])
     with pytest.raises(StageError, match=r"arms.v.model_init_kwargs of pipeline 'p': dtype 'float8' is not one of"):
         train_load_kwargs(cfg, cfg.arm("v"), world=1)
 
 
 def test_the_stage_loads_with_model_init_kwargs_and_records_them(tmp_path: Path, tiny: Path) -> None:
-    cfg = _pipeline(tmp_path, trainer={"model_init_kwargs": {"dtype": "bfloat16", "attn_implementation": "eager"}})
+    cfg = write_pipeline(tmp_path, trainer={"model_init_kwargs": {"dtype": "bfloat16", "attn_implementation": "eager"}})
     model, record = load_train_model(cfg, cfg.arm("v"), tiny, world=1)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert model.config._attn_implementation == "eager"

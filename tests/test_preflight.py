@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.support.configs import write_pipeline
 from vpo.pipeline import config as C
 from vpo.pipeline.engine import preflight
 from vpo.pipeline.engine.errors import StageError
@@ -21,15 +22,6 @@ REPO = Path(__file__).resolve().parents[1]
 
 ALL_RIGHT = {"torch": "2.13.0", "accelerate": "1.15.0", "deepspeed": "0.19.8", "vllm": "0.30.0", "peft": "0.21.2",
              "flash-attn": "2.8.3"}
-
-
-def _pipeline(tmp_path: Path, trainer: dict[str, Any] | None = None, arms: list[dict[str, Any]] | None = None,
-              **sections: Any) -> C.PipelineConfig:
-    body = {"task": {"name": "route"}, "model": {"builder": "tiny"}, "trainer": trainer or {},
-            "arms": arms or [{"name": "v", "estimator": "vpo", "num_answers": 3}], **sections}
-    path = tmp_path / "pipelines.yaml"
-    path.write_text(yaml.safe_dump({"version": 1, "pipelines": {"p": body}}))
-    return C.load_pipeline("p", path)
 
 
 def _accelerate(tmp_path: Path, kind: str, **extra: Any) -> str:
@@ -56,7 +48,7 @@ def test_the_code_preset_needs_deepspeed_and_vllm_named_by_their_settings() -> N
 
 
 def test_lora_flash_attention_and_versions_each_get_their_line(tmp_path: Path) -> None:
-    cfg = _pipeline(tmp_path, trainer={"lora": {"r": 4}, "model_init_kwargs": {"attn_implementation": "flash_attention_2"}},
+    cfg = write_pipeline(tmp_path, trainer={"lora": {"r": 4}, "model_init_kwargs": {"attn_implementation": "flash_attention_2"}},
                     sft={"enabled": True, "lora": {"r": 4}})
     assert preflight.features(cfg) == {"lora": ["trainer.lora", "sft.lora"],
                                        "flash_attention_2": ["trainer.model_init_kwargs.attn_implementation"]}
@@ -77,7 +69,7 @@ def test_a_cpu_pipeline_needs_nothing_of_the_gpu_path(tmp_path: Path) -> None:
 
 
 def test_an_arm_naming_its_own_gpu_setting_is_named(tmp_path: Path) -> None:
-    cfg = _pipeline(tmp_path, arms=[{"name": "g", "estimator": "grpo", "bf16": True},
+    cfg = write_pipeline(tmp_path, arms=[{"name": "g", "estimator": "grpo", "bf16": True},
                                     {"name": "h", "estimator": "grpo"}])
     assert preflight.features(cfg) == {"gpu": ["arms.g.bf16"]}
     assert preflight.hardware_problems(cfg, cuda=False) == [
@@ -87,32 +79,32 @@ def test_an_arm_naming_its_own_gpu_setting_is_named(tmp_path: Path) -> None:
 
 
 def test_evaluation_use_vllm_follows_the_trainer_unless_set(tmp_path: Path) -> None:
-    assert _pipeline(tmp_path, trainer={"use_vllm": True}).evaluation.use_vllm is True
-    assert _pipeline(tmp_path).evaluation.use_vllm is False
-    own = _pipeline(tmp_path, trainer={"use_vllm": True}, evaluation={"use_vllm": False})
+    assert write_pipeline(tmp_path, trainer={"use_vllm": True}).evaluation.use_vllm is True
+    assert write_pipeline(tmp_path).evaluation.use_vllm is False
+    own = write_pipeline(tmp_path, trainer={"use_vllm": True}, evaluation={"use_vllm": False})
     assert own.evaluation.use_vllm is False
-    assert "evaluation" not in _pipeline(tmp_path, trainer={"use_vllm": True}).explicit_settings(), (
+    assert "evaluation" not in write_pipeline(tmp_path, trainer={"use_vllm": True}).explicit_settings(), (
         "the inherited value is not written into params.yaml as if the file had set it")
 
 
 def test_zero2_with_lora_passes_zero3_and_fsdp_with_lora_are_refused(tmp_path: Path) -> None:
     shutil.copy(REPO / "infra/accelerate/ds_zero3.json", tmp_path / "ds_zero3.json")
     zero3 = _accelerate(tmp_path, "DEEPSPEED", deepspeed_config={"deepspeed_config_file": "ds_zero3.json"})
-    cfg = _pipeline(tmp_path, trainer={"lora": {"r": 4}, "accelerate_config": zero3,
+    cfg = write_pipeline(tmp_path, trainer={"lora": {"r": 4}, "accelerate_config": zero3,
                                        "per_device_train_batch_size": 8})
     assert any("trainer.lora with trainer.accelerate_config" in line and "(ZeRO-3) is not supported" in line
                for line in preflight.hardware_problems(cfg, cuda=True))
     fsdp = _accelerate(tmp_path, "FSDP")
-    cfg = _pipeline(tmp_path, trainer={"lora": {"r": 4}, "accelerate_config": fsdp, "per_device_train_batch_size": 8})
+    cfg = write_pipeline(tmp_path, trainer={"lora": {"r": 4}, "accelerate_config": fsdp, "per_device_train_batch_size": 8})
     assert any("(FSDP) is not supported" in line for line in preflight.hardware_problems(cfg, cuda=True))
     zero2 = _accelerate(tmp_path, "DEEPSPEED", deepspeed_config={"zero_stage": 2})
-    cfg = _pipeline(tmp_path, trainer={"lora": {"r": 4}, "accelerate_config": zero2,
+    cfg = write_pipeline(tmp_path, trainer={"lora": {"r": 4}, "accelerate_config": zero2,
                                        "per_device_train_batch_size": 8})
     assert preflight.hardware_problems(cfg, cuda=True) == []
 
 
 def test_check_preflight_is_one_error_with_every_line_and_skips_data_only_runs(tmp_path: Path) -> None:
-    cfg = _pipeline(tmp_path, trainer={"bf16": True, "use_vllm": True})
+    cfg = write_pipeline(tmp_path, trainer={"bf16": True, "use_vllm": True})
     with pytest.raises(StageError) as info:
         preflight.check_preflight(cfg, cuda=False)
     text = str(info.value)

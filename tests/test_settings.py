@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.support.configs import write_pipeline
 from vpo.pipeline import config as C
 from vpo.pipeline.config.fields import DEFAULTS, RESERVED
 from vpo.pipeline.config.layout import ArmRun
@@ -24,15 +25,6 @@ from vpo.pipeline.config.settings import arm_batch, vpo_config_kwargs
 from vpo.pipeline.engine.preflight import check_hardware
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _pipeline(tmp_path: Path, trainer: dict[str, Any] | None = None, arms: list[dict[str, Any]] | None = None,
-              extra: dict[str, Any] | None = None) -> C.PipelineConfig:
-    body = {"task": {"name": "route"}, "model": {"builder": "tiny"}, "trainer": trainer or {},
-            "arms": arms or [{"name": "v", "estimator": "vpo", "num_answers": 3}], **(extra or {})}
-    path = tmp_path / "pipelines.yaml"
-    path.write_text(yaml.safe_dump({"version": 1, "pipelines": {"p": body}}))
-    return C.load_pipeline("p", path)
 
 
 def _vpo_config(cfg: C.PipelineConfig, arm: str, tmp_path: Path, seed: int = 0) -> Any:
@@ -44,7 +36,7 @@ def _vpo_config(cfg: C.PipelineConfig, arm: str, tmp_path: Path, seed: int = 0) 
 def test_grpo_fields_the_old_schema_lacked_reach_the_vpoconfig(tmp_path: Path) -> None:
     """Three GRPOConfig fields no hand-kept table listed, set in pipelines.yaml, are in the VPOConfig
     the train stage builds; an arm's own value wins over the trainer's for that arm only."""
-    cfg = _pipeline(tmp_path, trainer={"gradient_checkpointing": True, "lr_scheduler_type": "cosine", "top_p": 0.9,
+    cfg = write_pipeline(tmp_path, trainer={"gradient_checkpointing": True, "lr_scheduler_type": "cosine", "top_p": 0.9,
                                        "epsilon_high": 0.28, "mask_truncated_completions": True},
                     arms=[{"name": "v", "estimator": "vpo", "num_answers": 3},
                           {"name": "g", "estimator": "grpo", "top_p": 0.5, "learning_rate": 1e-5}])
@@ -58,11 +50,11 @@ def test_grpo_fields_the_old_schema_lacked_reach_the_vpoconfig(tmp_path: Path) -
 
 def test_pipeline_defaults_apply_and_give_way(tmp_path: Path) -> None:
     """The paper's choices are defaults (constant LR, no warm-up, no checkpointing), not forced values."""
-    args = _vpo_config(_pipeline(tmp_path, arms=[{"name": "v", "estimator": "grpo"}]), "v", tmp_path)
+    args = _vpo_config(write_pipeline(tmp_path, arms=[{"name": "v", "estimator": "grpo"}]), "v", tmp_path)
     for name, (value, why) in DEFAULTS.items():
         assert getattr(args, name) == value, name
         assert why, name
-    changed = _pipeline(tmp_path, trainer={"lr_scheduler_type": "linear", "warmup_steps": 3,
+    changed = write_pipeline(tmp_path, trainer={"lr_scheduler_type": "linear", "warmup_steps": 3,
                                            "gradient_checkpointing": True, "save_steps": 7})
     args = _vpo_config(changed, "v", tmp_path)
     assert (str(args.lr_scheduler_type.value), args.warmup_steps, args.gradient_checkpointing, args.save_steps) == (
@@ -72,7 +64,7 @@ def test_pipeline_defaults_apply_and_give_way(tmp_path: Path) -> None:
 def test_what_the_pipeline_sets_itself(tmp_path: Path) -> None:
     """Reserved fields come from the run (output folder, seed, device), dvclive is our callback, and the
     rollout multiplier scales the arm's G and its completion batch (same prompts per step)."""
-    cfg = _pipeline(tmp_path, trainer={"report_to": ["dvclive", "tensorboard"], "per_device_train_batch_size": 8,
+    cfg = write_pipeline(tmp_path, trainer={"report_to": ["dvclive", "tensorboard"], "per_device_train_batch_size": 8,
                                        "num_generations": 4},
                     arms=[{"name": "x", "estimator": "grpo", "rollout_multiplier": 3, "seeds": [5]}])
     args = _vpo_config(cfg, "x", tmp_path, seed=5)
@@ -172,10 +164,10 @@ def test_other_sections_are_read_by_the_pipeline() -> None:
 def test_lora_becomes_a_peft_config(tmp_path: Path) -> None:
     from vpo.pipeline.config.settings import peft_config
 
-    cfg = _pipeline(tmp_path, trainer={"lora": {"r": 4, "alpha": 8, "dropout": 0.1, "target_modules": ["q_proj"]}})
+    cfg = write_pipeline(tmp_path, trainer={"lora": {"r": 4, "alpha": 8, "dropout": 0.1, "target_modules": ["q_proj"]}})
     peft = peft_config(cfg)
     assert (peft.r, peft.lora_alpha, peft.lora_dropout, set(peft.target_modules)) == (4, 8, 0.1, {"q_proj"})
-    assert peft_config(_pipeline(tmp_path)) is None
+    assert peft_config(write_pipeline(tmp_path)) is None
 
 
 @pytest.mark.parametrize(("world", "ok"), [(1, False), (2, True)])
@@ -186,7 +178,7 @@ def test_batch_divisibility_is_checked_on_the_world_size(tmp_path: Path, world: 
     accel.write_text(yaml.safe_dump({"distributed_type": "MULTI_CPU", "num_processes": world}))
     trainer = {"per_device_train_batch_size": 2, "num_generations": 4, "accelerate_config": "accel.yaml"}
     if ok:
-        cfg = _pipeline(tmp_path, trainer=trainer)
+        cfg = write_pipeline(tmp_path, trainer=trainer)
         plan = arm_batch(cfg, cfg.arm("v"))
         assert (plan.world, plan.completions_per_step, plan.prompts_per_step) == (2, 4, 1)
         assert plan.describe() == ("1 prompts x 4 rollouts = 4 completions per optimizer step (2 processes x 2 per "
@@ -194,7 +186,7 @@ def test_batch_divisibility_is_checked_on_the_world_size(tmp_path: Path, world: 
                                    "step(s)")
         return
     with pytest.raises(C.ConfigError) as err:
-        _pipeline(tmp_path, trainer=trainer)
+        write_pipeline(tmp_path, trainer=trainer)
     (key, msg), = err.value.problems
     assert key.startswith("pipelines.p.trainer.per_device_train_batch_size (line ")
     assert "per_device_train_batch_size 2 x 1 process(es) x steps_per_generation 1" in msg
@@ -203,7 +195,7 @@ def test_batch_divisibility_is_checked_on_the_world_size(tmp_path: Path, world: 
 
 def test_generation_rounds_are_stated(tmp_path: Path) -> None:
     """steps_per_generation / generation_batch_size: a round feeds several optimizer steps."""
-    cfg = _pipeline(tmp_path, trainer={"per_device_train_batch_size": 4, "num_generations": 4,
+    cfg = write_pipeline(tmp_path, trainer={"per_device_train_batch_size": 4, "num_generations": 4,
                                        "gradient_accumulation_steps": 2, "generation_batch_size": 16})
     plan = arm_batch(cfg, cfg.arm("v"))
     rec = plan.record()
@@ -215,7 +207,7 @@ def test_generation_rounds_are_stated(tmp_path: Path) -> None:
     args = VPOConfig(**vpo_config_kwargs(cfg, ArmRun(cfg.arm("v"), 0), tmp_path / "o", cuda=False))
     assert (args.generation_batch_size, args.steps_per_generation) == (16, 4)  # TRL agrees
     with pytest.raises(C.ConfigError, match="set generation_batch_size or steps_per_generation, not both"):
-        _pipeline(tmp_path, trainer={"generation_batch_size": 16, "steps_per_generation": 2})
+        write_pipeline(tmp_path, trainer={"generation_batch_size": 16, "steps_per_generation": 2})
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the CPU-only errors")
@@ -228,7 +220,7 @@ def test_generation_rounds_are_stated(tmp_path: Path) -> None:
 def test_gpu_settings_fail_clearly_on_a_cpu_machine(tmp_path: Path, trainer: dict, arms: Any, fragment: str) -> None:
     from vpo.pipeline.engine.errors import StageError
 
-    cfg = _pipeline(tmp_path, trainer=trainer, arms=arms or [{"name": "g", "estimator": "grpo"}])
+    cfg = write_pipeline(tmp_path, trainer=trainer, arms=arms or [{"name": "g", "estimator": "grpo"}])
     with pytest.raises(StageError, match=re.escape(fragment)):
         check_hardware(cfg)
 
@@ -242,7 +234,7 @@ def test_a_world_size_other_than_planned_is_one_error(tmp_path: Path) -> None:
     from vpo.pipeline.stages.train import _check_world
 
     (tmp_path / "accel.yaml").write_text(yaml.safe_dump({"distributed_type": "MULTI_CPU", "num_processes": 2}))
-    cfg = _pipeline(tmp_path, trainer={"accelerate_config": "accel.yaml", "per_device_train_batch_size": 8,
+    cfg = write_pipeline(tmp_path, trainer={"accelerate_config": "accel.yaml", "per_device_train_batch_size": 8,
                                        "num_generations": 4})
     ctx = StageContext(cfg, RunLayout.of(cfg), "train", ArmRun(cfg.arm("v"), 0))
     _check_world(ctx, 2)
@@ -257,7 +249,7 @@ def test_a_value_trl_refuses_is_one_stage_error_before_any_model_loads(tmp_path:
     from vpo.pipeline.engine.errors import StageError
     from vpo.pipeline.stages.train import train
 
-    cfg = _pipeline(tmp_path, trainer={"auto_find_batch_size": True})
+    cfg = write_pipeline(tmp_path, trainer={"auto_find_batch_size": True})
     ctx = StageContext(cfg, RunLayout.of(cfg), "train", ArmRun(cfg.arm("v"), 0))
     with pytest.raises(StageError, match=r"v-s0: TRL's GRPOConfig / VPOConfig rejected the settings of arm 'v' in "
                                          r"pipeline 'p': auto_find_batch_size is not supported by GRPO"):
