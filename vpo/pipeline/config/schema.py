@@ -109,8 +109,6 @@ class TrainerConfig(VPOConfigFields, _TrainerOwn):
     @model_validator(mode="after")
     def _server_url(self) -> TrainerConfig:
         use_vllm, mode, url = self.use_vllm, self.vllm_mode, self.vllm_server_base_url
-        if use_vllm and mode == "server" and not url:
-            raise ValueError("vllm_mode 'server' needs vllm_server_base_url")
         if url and not (use_vllm and mode == "server"):
             raise ValueError("vllm_server_base_url is used only with use_vllm: true and vllm_mode: server")
         if self.push_to_hub and not self.hub_model_id:
@@ -238,6 +236,29 @@ class PipelineConfig(Strict):
             values.update({n: getattr(self.trainer, n) for n in inherited if n not in arm.model_fields_set})
             resolved.append(ArmConfig.model_construct(_fields_set=set(arm.model_fields_set), **values))
         self.__dict__["arms"] = resolved  # frozen: the arms are replaced once, while validating
+        return self
+
+    @model_validator(mode="after")
+    def _vllm_server(self) -> PipelineConfig:
+        """Server-mode generation needs a server: one the user runs (``trainer.vllm_server_base_url``) or
+        one the train stage starts itself on ``execution.vllm_gpus`` GPUs -- exactly one of them."""
+        tr, ex = self.trainer, self.execution
+        server_mode = tr.use_vllm and tr.vllm_mode == "server"
+        if server_mode and not tr.vllm_server_base_url and not ex.vllm_gpus:
+            raise ValueError("trainer.vllm_mode 'server' needs a server: trainer.vllm_server_base_url (one you run) "
+                             "or execution.vllm_gpus (the train stage starts `trl vllm-serve` on that many GPUs)")
+        if ex.vllm_gpus and not server_mode:
+            raise ValueError(f"execution.vllm_gpus ({ex.vllm_gpus}) keeps GPUs for a generation server: it needs "
+                             "trainer.use_vllm: true and trainer.vllm_mode: server")
+        if ex.vllm_gpus and tr.vllm_server_base_url:
+            raise ValueError("give trainer.vllm_server_base_url (a server you run) or execution.vllm_gpus (the train "
+                             "stage starts one), not both")
+        if ex.vllm_command and not ex.vllm_gpus:
+            raise ValueError("execution.vllm_command starts the server execution.vllm_gpus reserves: set vllm_gpus")
+        for arm in self.arms:
+            if arm.enabled and (arm.use_vllm, arm.vllm_mode) != (tr.use_vllm, tr.vllm_mode) and ex.vllm_gpus:
+                raise ValueError(f"arms.{arm.name}: use_vllm/vllm_mode differ from the trainer's; with "
+                                 "execution.vllm_gpus every arm generates through the server the stage starts")
         return self
 
     @property
