@@ -44,6 +44,9 @@ from vpo.pipeline.engine.console import detail, format_numbers, log, progress
 from vpo.pipeline.engine.context import StageContext
 from vpo.pipeline.engine.errors import StageError
 from vpo.pipeline.engine.inputs import load_rows, stage_command
+from vpo.pipeline.engine.mirror import MIRROR_ENV, mirror_callback, mirror_url, restore_for
+from vpo.pipeline.engine.nodes import launch as launch_node
+from vpo.pipeline.engine.nodes import node_role
 from vpo.pipeline.engine.processes import CHILD_ENV
 from vpo.pipeline.engine.state import read_state, why_stale, write_state
 from vpo.pipeline.memory import check_plan
@@ -363,6 +366,7 @@ def train(ctx: StageContext) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     if os.environ.get(CHILD_ENV) is None:
         _fresh_checkpoints(ctx, trainer_dir)
+        restore_for(ctx)  # storage.checkpoints: the newest mirrored checkpoint when this machine has none
     resume = latest_checkpoint(trainer_dir)
     if resume is not None and (checkpoint_step(resume) or 0) >= run.arm.max_steps:
         return _publish_checkpoint(ctx, resume)
@@ -383,6 +387,8 @@ def train(ctx: StageContext) -> dict[str, Any]:
 
         callbacks.append(DVCLiveCallback(live=Live(dir=str(layout.arm_live(rid)), save_dvc_exp=False, dvcyaml=None,
                                                    report=None)))
+    if (mirror := mirror_url(ctx)) is not None:
+        callbacks.append(mirror_callback(mirror, cfg.storage.checkpoints_keep))
     dataset = _dataset(ctx, load_rows(cfg, "train", layout), tok)
     _check_prompt_lengths(ctx, tok, dataset)
     try:
@@ -445,12 +451,31 @@ def _launch(ctx: StageContext, argv: Sequence[str]) -> dict[str, Any]:
     config_file = str(cfg.resolve_path(cfg.trainer.accelerate_config or ""))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config_file,
            "-m", "vpo.pipeline.cli", *argv]
+    env = {**os.environ, CHILD_ENV: "1", **({MIRROR_ENV: url} if (url := mirror_url(ctx)) else {})}
     log(f"{ctx.arm_run.rid}: launching `accelerate launch --config_file {cfg.trainer.accelerate_config}`")
-    proc = subprocess.run(cmd, env={**os.environ, CHILD_ENV: "1"}, check=False)
+    if (role := node_role(cfg)) is not None:  # one node of a multi-node run: node 0 publishes
+        logs = ctx.layout.logs / "ranks" / f"{ctx.arm_run.rid}-node{role.rank}-{time.strftime('%Y%m%d-%H%M%S')}"
+        launch_node(cmd, env, role, rid=ctx.arm_run.rid, log_dir=logs, resume=lambda: _resume_text(ctx))
+        return json.loads(ctx.layout.arm_metrics(ctx.arm_run.rid).read_text()) if role.is_main else {}
+    proc = subprocess.run(cmd, env=env, check=False)
     if proc.returncode != 0:
         raise StageError(f"{ctx.arm_run.rid}: `accelerate launch` exited with {proc.returncode} (see its output "
                          f"above; trainer.accelerate_config = {cfg.trainer.accelerate_config})")
     return json.loads(ctx.layout.arm_metrics(ctx.arm_run.rid).read_text())
+
+
+def _resume_text(ctx: StageContext) -> str:
+    """How to resume this run after a node failed: its command on every node, and from where."""
+    from vpo.pipeline.engine.console import command
+    from vpo.pipeline.engine.mirror import newest_complete
+
+    rid, url = ctx.arm_run.rid, mirror_url(ctx)
+    newest = newest_complete(url) if url else None
+    where = (f"from checkpoint-{newest.step} mirrored in storage.checkpoints" if newest else
+             "from the newest checkpoint in storage.checkpoints (none mirrored yet)" if url else
+             "from node 0's newest local checkpoint (set storage.checkpoints to survive losing it)")
+    cmd = command("stage", "train", *ctx.cfg.cli_args(), "--arm", ctx.arm_run.arm.name, "--seed", str(ctx.arm_run.seed))
+    return f"resume with `{cmd}` on every node (same VPO_NODE_RANK each); it resumes {where}"
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
@@ -465,7 +490,10 @@ def run(ctx: StageContext) -> dict[str, Any]:
     if os.environ.get(CHILD_ENV) is None:
         log(f"{ctx.arm_run.rid}: batch {arm_batch(cfg, ctx.arm_run.arm).describe()}")
     if cfg.trainer.accelerate_config and os.environ.get(CHILD_ENV) is None:
-        _fresh_checkpoints(ctx, layout.arm_trainer(ctx.arm_run.rid))
+        role = node_role(cfg)
+        if role is None or role.is_main:  # the other nodes of a run never delete node 0's checkpoints
+            _fresh_checkpoints(ctx, layout.arm_trainer(ctx.arm_run.rid))
+        restore_for(ctx)  # every node: each rank loads the checkpoint it resumes from
         return _launch(ctx, ["stage", "train", *cfg.cli_args(), "--arm", ctx.arm_run.arm.name,
                              "--seed", str(ctx.arm_run.seed)])
     return train(ctx)
