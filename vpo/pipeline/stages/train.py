@@ -16,7 +16,10 @@ checkpoint's weights instead of training further. The final model folder is swap
 the checkpoints are deleted once the run's record is written (:mod:`vpo.pipeline.runner`).
 
 With ``trainer.accelerate_config`` the stage runs itself again under ``accelerate launch`` (multi-GPU);
-the launched processes train and rank 0 writes the outputs.
+the launched processes train and rank 0 writes the outputs. Past one node (:mod:`vpo.pipeline.engine.nodes`)
+each node's stage launches its share and node 0 publishes; ``storage.checkpoints`` mirrors checkpoints
+(:mod:`vpo.pipeline.engine.mirror`); ``execution.vllm_gpus`` runs the generation server around the
+training (:mod:`vpo.pipeline.engine.vllm_server`).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from vpo.pipeline.engine.inputs import load_rows, stage_command
 from vpo.pipeline.engine.mirror import MIRROR_ENV, mirror_callback, mirror_url, restore_for
 from vpo.pipeline.engine.nodes import launch as launch_node
 from vpo.pipeline.engine.nodes import node_role
+from vpo.pipeline.engine.vllm_server import for_run as vllm_server_for
 from vpo.pipeline.engine.processes import CHILD_ENV
 from vpo.pipeline.engine.state import read_state, why_stale, write_state
 from vpo.pipeline.memory import check_plan
@@ -494,6 +498,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
         if role is None or role.is_main:  # the other nodes of a run never delete node 0's checkpoints
             _fresh_checkpoints(ctx, layout.arm_trainer(ctx.arm_run.rid))
         restore_for(ctx)  # every node: each rank loads the checkpoint it resumes from
-        return _launch(ctx, ["stage", "train", *cfg.cli_args(), "--arm", ctx.arm_run.arm.name,
-                             "--seed", str(ctx.arm_run.seed)])
-    return train(ctx)
+        with vllm_server_for(ctx, main_node=role is None or role.is_main):  # execution.vllm_gpus: its server
+            return _launch(ctx, ["stage", "train", *cfg.cli_args(), "--arm", ctx.arm_run.arm.name,
+                                 "--seed", str(ctx.arm_run.seed)])
+    with vllm_server_for(ctx):
+        return train(ctx)
