@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from vpo.pipeline.config import PipelineConfig
 
 __all__ = ["DEFAULT_PORT", "MAIN_ADDR_ENV", "MAIN_PORT_ENV", "NODE_RANK_ENV", "RANK_SOURCES", "NodeRole",
-           "diagnose", "launch", "node_role"]
+           "diagnose", "launch", "node_argv", "node_env", "node_role"]
 
 NODE_RANK_ENV = "VPO_NODE_RANK"
 MAIN_ADDR_ENV = "VPO_MAIN_ADDR"
@@ -104,6 +104,19 @@ class NodeRole:
         """``node 1 of 2 (ranks 2-3 of 4, node rank from VPO_NODE_RANK); rank 0 is node 0 at 10.0.0.5:29500``."""
         return (f"node {self.rank} of {self.nodes} (rank{'s' if self.per_node > 1 else ''} {self.ranks} of "
                 f"{self.world}, node rank from {self.rank_from}); rank 0 is node 0 at {self.addr}:{self.port}")
+
+
+def node_argv(arm: str, seed: int, *, pipeline: str | None = None, config: str = "pipelines.yaml",
+              quick: bool = False, sets: Sequence[str] = ()) -> list[str]:
+    """The ``vpo`` arguments every node of a run runs (the same on each): ``stage train`` of one run."""
+    return ["stage", "train", "--config", config, *(["--pipeline", pipeline] if pipeline else []),
+            *(["--quick"] if quick else []), "--arm", arm, "--seed", str(seed),
+            *(word for item in sets for word in ("--set", item))]
+
+
+def node_env(rank: int, main_addr: str, main_port: int = DEFAULT_PORT) -> dict[str, str]:
+    """What tells the nodes of a run apart: the environment of node ``rank``."""
+    return {NODE_RANK_ENV: str(rank), MAIN_ADDR_ENV: main_addr, MAIN_PORT_ENV: str(main_port)}
 
 
 def _accelerate_value(cfg: PipelineConfig, key: str) -> object:
