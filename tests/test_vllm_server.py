@@ -206,3 +206,21 @@ def test_split_and_settings_refuse_what_cannot_work(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"execution.vllm_gpus \(1\) keeps GPUs for a generation server: it needs "
                                           r"trainer.use_vllm: true and trainer.vllm_mode: server"):
         load_cfg(config, **{"execution.vllm_gpus": 1})
+
+
+def test_the_memory_plan_and_the_hardware_check_count_the_server_gpus(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vpo.memory import device_by_name
+    from vpo.pipeline.engine.errors import StageError
+    from vpo.pipeline.engine.execution import check_hardware
+    from vpo.pipeline.memory import plan_pipeline
+
+    cfg = _server_cfg(tmp_path, **{"storage.runs_dir": str(tmp_path / "runs")})
+    plans = dict(plan_pipeline(cfg, device=device_by_name("h100-80gb")))
+    notes = [n for n in plans["route/vpo"].notes if n.startswith("vLLM server mode:")]
+    assert notes == ["vLLM server mode: 2 GPUs per run kept for the generation server (execution.vllm_gpus), not "
+                     "planned here; a node gives the run 1 training + 2 server = 3 GPUs"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with pytest.raises(StageError, match=r"a run needs 1 training GPU \(trainer.accelerate_config\) \+ 2 for its vLLM "
+                                         r"server \(execution.vllm_gpus\) on this node, and 2 are visible"):
+        check_hardware(cfg, cuda=True)

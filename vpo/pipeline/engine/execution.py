@@ -203,6 +203,13 @@ def check_hardware(cfg: PipelineConfig, *, cuda: bool | None = None) -> None:
 
         cuda = torch.cuda.is_available()
     where = f"pipeline {cfg.name!r}"
+    reserved = cfg.execution.vllm_gpus
+    if reserved and cuda:
+        gpus, per_node = Machine.detect().gpus, accelerate_processes(cfg) or 1
+        if len(gpus) < per_node + reserved:
+            raise StageError(f"{where}: a run needs {per_node} training GPU{'s' if per_node != 1 else ''} "
+                             f"(trainer.accelerate_config) + {reserved} for its vLLM server (execution.vllm_gpus) "
+                             f"on this node, and {len(gpus)} {'is' if len(gpus) == 1 else 'are'} visible")
     runs = [("trainer", cfg.trainer), *((f"arms.{a.name}", a) for a in cfg.enabled_arms)]
     for key, section in runs:
         if section.use_vllm and importlib.util.find_spec("vllm") is None:
