@@ -166,6 +166,32 @@ def _base(folder: Path) -> dict[str, object]:
 # --------------------------------------------------------------------------- faults past one node
 
 
+def _descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (the launcher runs in a session of its own)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                todo += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+    return out
+
+
+def _kill_node(pid: int) -> None:
+    """What losing a machine does to its processes: every one of them SIGKILLed at once."""
+    import os
+
+    for p in _descendants(pid):
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            continue
+
+
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.timeout(600)
 def test_a_rendezvous_nobody_joins_names_its_address_and_port(
@@ -194,7 +220,7 @@ def test_a_node_killed_mid_run_fails_the_run_naming_it_and_the_resume_command(
     port, logs, procs = _free_port(), [tmp_path / "node0.log", tmp_path / "node1.log"], []
     try:
         for rank, folder in enumerate((node0, node1)):
-            args = _train_args(_accelerate(folder, "cpu1.yaml", processes=1), "--set", "execution.nodes=2", steps=50)
+            args = _train_args(_accelerate(folder, "cpu1.yaml", processes=1), "--set", "execution.nodes=2", steps=30)
             procs.append(_start_node(folder, args, rank, port, logs[rank]))
         progress = node0 / ARM / "progress.json"
         deadline = time.monotonic() + 800
@@ -202,9 +228,7 @@ def test_a_node_killed_mid_run_fails_the_run_naming_it_and_the_resume_command(
             assert procs[0].poll() is None and procs[1].poll() is None, logs[0].read_text()[-3000:]
             assert time.monotonic() < deadline, logs[0].read_text()[-3000:]
             time.sleep(0.2)
-        import os
-
-        os.killpg(procs[1].pid, signal.SIGKILL)  # node 1 lost: its command and every rank on it
+        _kill_node(procs[1].pid)  # node 1 lost: its command, its launcher and every rank on it
         code = procs[0].wait(timeout=300)
     finally:
         _stop(*procs)
