@@ -238,11 +238,15 @@ class PipelineConfig(Strict):
         self.__dict__["arms"] = resolved  # frozen: the arms are replaced once, while validating
         return self
 
-    @model_validator(mode="after")
-    def _vllm_server(self) -> PipelineConfig:
+    @field_validator("execution")
+    @classmethod
+    def _vllm_server(cls, ex: ExecutionConfig, info: ValidationInfo) -> ExecutionConfig:
         """Server-mode generation needs a server: one the user runs (``trainer.vllm_server_base_url``) or
-        one the train stage starts itself on ``execution.vllm_gpus`` GPUs -- exactly one of them."""
-        tr, ex = self.trainer, self.execution
+        one the train stage starts itself on ``execution.vllm_gpus`` GPUs -- exactly one of them. (A field
+        check, so it is reported beside the other fields' errors; ``trainer`` and ``arms`` come first.)"""
+        tr, arms = info.data.get("trainer"), info.data.get("arms") or []
+        if tr is None:
+            return ex
         server_mode = tr.use_vllm and tr.vllm_mode == "server"
         if server_mode and not tr.vllm_server_base_url and not ex.vllm_gpus:
             raise ValueError("trainer.vllm_mode 'server' needs a server: trainer.vllm_server_base_url (one you run) "
@@ -255,11 +259,12 @@ class PipelineConfig(Strict):
                              "stage starts one), not both")
         if ex.vllm_command and not ex.vllm_gpus:
             raise ValueError("execution.vllm_command starts the server execution.vllm_gpus reserves: set vllm_gpus")
-        for arm in self.arms:
-            if arm.enabled and (arm.use_vllm, arm.vllm_mode) != (tr.use_vllm, tr.vllm_mode) and ex.vllm_gpus:
+        for arm in arms:
+            own = arm.model_fields_set & {"use_vllm", "vllm_mode"}
+            if arm.enabled and ex.vllm_gpus and any(getattr(arm, k) != getattr(tr, k) for k in own):
                 raise ValueError(f"arms.{arm.name}: use_vllm/vllm_mode differ from the trainer's; with "
                                  "execution.vllm_gpus every arm generates through the server the stage starts")
-        return self
+        return ex
 
     @property
     def enabled_arms(self) -> list[ArmConfig]:
