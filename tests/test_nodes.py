@@ -238,5 +238,26 @@ def test_a_node_killed_mid_run_fails_the_run_naming_it_and_the_resume_command(
     assert len(errors) == 1, text[-3000:]
     assert errors[0].startswith("error: vpo-s0: node 0 of 2: node 1 "
                                 "stopped mid-run (its ranks' connections closed) after "), errors[0]
-    assert "resume with `" in errors[0] and "stage train --quick --config pipelines.yaml" in errors[0]
+    print(errors[0])
+    resume = errors[0].split("resume with `", 1)[1].split("`", 1)[0]
+    assert " stage train " in resume and "--arm vpo --seed 0" in resume and "execution.nodes=2" in resume
     assert "on every node (same VPO_NODE_RANK each); it resumes from node 0's newest local checkpoint" in errors[0]
+
+
+def test_a_node_other_than_0_never_records_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`vpo stage train` on node 1 trains its share and records nothing (the CLI takes that path); running
+    the stage through the runner there (what `vpo run` would do) is refused in one line."""
+    from vpo.pipeline.engine.errors import StageError
+    from vpo.pipeline.runner import run_step
+    from vpo.pipeline.steps import steps_of
+
+    config = write_pipelines(tmp_path)
+    _accelerate(tmp_path, "one.yaml", processes=1)
+    cfg = load_cfg(config, **{"trainer.accelerate_config": "one.yaml", "execution.nodes": 2})
+    monkeypatch.setenv("VPO_NODE_RANK", "1")
+    monkeypatch.setenv("VPO_MAIN_ADDR", "127.0.0.1")
+    step = next(s for s in steps_of(cfg, ["train"]) if s.run.rid == "vpo-s0")
+    with pytest.raises(StageError, match=r"^train@vpo-s0: this is node 1 of 2 \(rank 1 of 2, node rank from "
+                                         r"VPO_NODE_RANK\): node 0 runs the pipeline and records the run; here run "
+                                         r"only `vpo stage train --arm vpo --seed 0`"):
+        run_step(cfg, step, progress=False)
