@@ -573,6 +573,8 @@ def test_k8s_multinode_render_for_two_nodes_of_eight_gpus(tmp_path: Path) -> Non
     assert service["spec"]["selector"].items() <= spec["template"]["metadata"]["labels"].items()
     (container,) = pod["containers"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert [q["port"] for q in service["spec"]["ports"]] == [29500, 29501]  # rendezvous, heartbeat
+    assert [q["containerPort"] for q in container["ports"]] == [29500, 29501]
     assert container["envFrom"] == [{"secretRef": {"name": "vpo-s3", "optional": False}}]
     env = {e["name"]: e["value"] for e in container["env"]}
     assert env["VPO_MAIN_ADDR"] == f"{job['metadata']['name']}-0.{service['metadata']['name']}"

@@ -261,3 +261,34 @@ def test_a_node_other_than_0_never_records_the_run(tmp_path: Path, monkeypatch: 
                                          r"VPO_NODE_RANK\): node 0 runs the pipeline and records the run; here run "
                                          r"only `vpo stage train --arm vpo --seed 0`"):
         run_step(cfg, step, progress=False)
+
+
+@pytest.mark.integration  # starts node 0's heartbeat store (a TCP server) on loopback
+def test_the_heartbeat_names_the_node_that_stopped_among_three() -> None:
+    """Three nodes' heartbeats (threads here) on node 0's store: when node 2 stops beating, nodes 0 and 1
+    both name it, and the failure line says it."""
+    from vpo.pipeline.engine.nodes import Heartbeat, NodeRole, diagnose
+
+    port = _free_port()
+    roles = [NodeRole(r, 3, 1, "127.0.0.1", port, "VPO_NODE_RANK", 30) for r in range(3)]
+    beats = [Heartbeat(role) for role in roles]
+    try:
+        for beat in beats:
+            beat.start()
+        deadline = time.monotonic() + 60
+        while any(b._store is None for b in beats):  # connected (node 0 hosts the store)
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        time.sleep(1.5)
+        beats[2].stop()
+        assert beats[0].silent(wait_s=2.5) == [2]
+        assert beats[1].silent(wait_s=2.5) == [2]
+    finally:
+        for beat in beats:
+            beat.stop()
+    line = diagnose(roles[0], ["RuntimeError: Connection closed by peer [127.0.0.1]:5555"], 1, 12.0, "vpo-s0",
+                    "resume with `X` on every node", [2])
+    assert line == ("vpo-s0: node 0 of 3: node 2 stopped mid-run (its ranks' connections closed) after 12 s; "
+                    "resume with `X` on every node")
+    assert diagnose(roles[0], ["Connection reset by peer"], 1, 5.0, "r", "R").startswith(
+        "r: node 0 of 3: one of node 1, node 2 stopped mid-run")  # no heartbeat: no guess past two nodes

@@ -6,7 +6,8 @@
 
 Every pod runs the same ``vpo stage train`` (:func:`vpo.pipeline.engine.nodes.node_argv`); the Job's
 completion index is the node rank (``JOB_COMPLETION_INDEX``, read by the train stage), and node 0 is
-reached at ``<job>-0.<service>`` through the headless Service (``subdomain``), which publishes the pods
+reached at ``<job>-0.<service>`` (rendezvous port, and the next one for the nodes' heartbeat) through
+the headless Service (``subdomain``), which publishes the pods
 before they are ready so the rendezvous can resolve it. ``backoffLimit: 0``: a lost pod fails the Job
 (the other pods' ranks fail with one line naming it); applying the Job again resumes the run from
 ``storage.checkpoints`` (S3), so nothing on a pod's disk is needed. S3 keys come from a Secret, never
@@ -43,7 +44,8 @@ def render(*, nodes: int, gpus: int, arm: str, seed: int, pipeline: str, image: 
         "apiVersion": "v1", "kind": "Service",
         "metadata": {"name": job, "namespace": namespace, "labels": labels},
         "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": {"vpo/job": job},
-                 "ports": [{"name": "rendezvous", "port": port, "targetPort": port}]},
+                 "ports": [{"name": "rendezvous", "port": port, "targetPort": port},
+                           {"name": "heartbeat", "port": port + 1, "targetPort": port + 1}]},
     }
     pod = {
         "metadata": {"labels": dict(labels)},
@@ -56,7 +58,8 @@ def render(*, nodes: int, gpus: int, arm: str, seed: int, pipeline: str, image: 
                         {"name": MAIN_PORT_ENV, "value": str(port)},
                         {"name": "PYTHONUNBUFFERED", "value": "1"}],
                 "envFrom": [{"secretRef": {"name": secret, "optional": False}}],
-                "ports": [{"name": "rendezvous", "containerPort": port}],
+                "ports": [{"name": "rendezvous", "containerPort": port},
+                          {"name": "heartbeat", "containerPort": port + 1}],
                 "resources": {"requests": {"cpu": cpu, "memory": memory, "nvidia.com/gpu": gpus},
                               "limits": {"memory": memory, "nvidia.com/gpu": gpus}},
                 "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],

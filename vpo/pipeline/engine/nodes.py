@@ -15,7 +15,8 @@ its share of the processes (the accelerate config's ``num_processes`` over its `
 static rendezvous waiting ``execution.rendezvous_timeout`` seconds for the others. Node 0 holds global
 rank 0: it writes checkpoints, publishes and records the run; the other nodes train and write nothing
 of the run's outputs. Each rank's output is teed into ``logs/ranks/<run>-node<R>-<time>/`` of the node's
-run folder.
+run folder. Each node's command also beats a heartbeat on node 0's port + 1 (:class:`Heartbeat`), so a
+node lost mid-run is named by the others.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from vpo.pipeline.engine.processes import kill_group, track, untrack
 if TYPE_CHECKING:
     from vpo.pipeline.config import PipelineConfig
 
-__all__ = ["DEFAULT_PORT", "MAIN_ADDR_ENV", "MAIN_PORT_ENV", "NODE_RANK_ENV", "RANK_SOURCES", "NodeRole",
+__all__ = ["DEFAULT_PORT", "MAIN_ADDR_ENV", "MAIN_PORT_ENV", "NODE_RANK_ENV", "RANK_SOURCES", "Heartbeat", "NodeRole",
            "diagnose", "launch", "node_argv", "node_env", "node_role"]
 
 NODE_RANK_ENV = "VPO_NODE_RANK"
@@ -161,27 +162,85 @@ def node_role(cfg: PipelineConfig, env: Mapping[str, str] | None = None) -> Node
 
 
 def diagnose(role: NodeRole, output: Sequence[str], returncode: int, seconds: float, rid: str,
-             resume: str) -> str:
+             resume: str, silent: Sequence[int] | None = None) -> str:
     """One line saying why this node's launch failed: the rendezvous (address and port it waited on), a
-    node lost mid-run (which one and the command that resumes), or the exit status."""
+    node lost mid-run (which one -- ``silent``, from :class:`Heartbeat`, else the other node of two -- and
+    the command that resumes), or the exit status."""
     text = "\n".join(output)
     head = f"{rid}: node {role.rank} of {role.nodes}"
     lost = _PEER_LOST.search(text)
     if _RENDEZVOUS.search(text) and not lost:
-        missing = "node 0" if not role.is_main else ", ".join(f"node {r}" for r in role.others())
+        missing = "node 0" if not role.is_main else ", ".join(f"node {r}" for r in (silent or role.others()))
         return (f"{head}: the rendezvous at {role.addr}:{role.port} timed out after {role.timeout_s} s ({missing} "
                 f"never joined); start every node's command within execution.rendezvous_timeout, with "
                 f"{MAIN_ADDR_ENV}={role.addr} {MAIN_PORT_ENV}={role.port} reachable from each")
     if lost or returncode < 0:
-        other = ", ".join(f"node {r}" for r in role.others())
-        who = other if role.nodes == 2 or not role.is_main else f"one of {other}"
+        other = ", ".join(f"node {r}" for r in (silent or role.others()))
+        who = other if silent or role.nodes == 2 else f"one of {other}"
         if returncode < 0 and not lost:
             who, why = f"node {role.rank} (this one)", f"was killed by signal {-returncode}"
         else:
-            why = "stopped mid-run (its ranks' connections closed)"
+            why = f"stopped mid-run ({'their' if len(silent or ()) > 1 else 'its'} ranks' connections closed)"
         return f"{head}: {who} {why} after {seconds:.0f} s; {resume}"
     return (f"{head}: `accelerate launch` exited with {returncode} after {seconds:.0f} s (see the ranks' output "
             f"above); {resume}")
+
+
+class Heartbeat:
+    """Each node's command counts up ``beat/<rank>`` in a small key-value store node 0 hosts on the port
+    after the rendezvous port (torch's ``TCPStore``), once a second, beside its ranks. When a launch
+    fails, :meth:`silent` names the nodes whose count stopped: the node that was lost, not a guess. A
+    store that cannot be reached means node 0 (its host) is gone."""
+
+    INTERVAL_S = 1.0
+
+    def __init__(self, role: NodeRole) -> None:
+        self.role = role
+        self._store: object = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="node-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _connect(self) -> object:
+        import datetime
+
+        from torch.distributed import TCPStore
+
+        timeout = datetime.timedelta(seconds=self.role.timeout_s)
+        if self.role.is_main:
+            return TCPStore("0.0.0.0", self.role.port + 1, None, True, timeout, wait_for_workers=False)
+        return TCPStore(self.role.addr, self.role.port + 1, None, False, timeout)
+
+    def _run(self) -> None:
+        try:
+            self._store = self._connect()
+            while not self._stop.is_set():
+                self._store.add(f"beat/{self.role.rank}", 1)  # type: ignore[attr-defined]
+                self._stop.wait(self.INTERVAL_S)
+        except Exception:  # the store's host is gone or unreachable: silent() says so
+            return
+
+    def _counts(self) -> dict[int, int]:
+        store = self._store
+        return {r: int(store.add(f"beat/{r}", 0)) for r in range(self.role.nodes)}  # type: ignore[attr-defined]
+
+    def silent(self, wait_s: float = 3.0) -> list[int] | None:
+        """The nodes whose beat stopped (over ``wait_s``); None when the store cannot tell."""
+        if self._store is None:
+            return None if self.role.is_main else [0]
+        try:
+            before = self._counts()
+            time.sleep(wait_s)
+            after = self._counts()
+        except Exception:
+            return None if self.role.is_main else [0]
+        return [r for r in range(self.role.nodes) if r != self.role.rank and after[r] == before[r]]
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
 
 
 def _relay(stream: object, tail: collections.deque[str]) -> None:
@@ -202,6 +261,8 @@ def launch(cmd: Sequence[str], env: Mapping[str, str], role: NodeRole, *, rid: s
     log_dir.mkdir(parents=True, exist_ok=True)
     log(f"{rid}: {role.describe()}; this node's rank logs: {shown_path(log_dir)}/ (one folder per local rank)")
     tail: collections.deque[str] = collections.deque(maxlen=400)
+    heartbeat = Heartbeat(role)
+    heartbeat.start()
     t0 = time.monotonic()
     proc = track(subprocess.Popen(full, env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                   errors="replace", start_new_session=True))
@@ -214,7 +275,12 @@ def launch(cmd: Sequence[str], env: Mapping[str, str], role: NodeRole, *, rid: s
             kill_group(proc)
         untrack(proc)
         reader.join(timeout=10)
+    seconds = time.monotonic() - t0
+    try:
+        silent = heartbeat.silent() if code != 0 else None
+    finally:
+        heartbeat.stop()
     if code != 0:
-        raise StageError(diagnose(role, list(tail), code, time.monotonic() - t0, rid, resume()))
+        raise StageError(diagnose(role, list(tail), code, seconds, rid, resume(), silent))
     log(f"{rid}: node {role.rank} of {role.nodes} finished its ranks ({role.ranks})"
         + ("" if role.is_main else "; node 0 publishes the run"))
