@@ -79,8 +79,8 @@ def _exercise(url: str, local: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     newest = newest_complete(url)
     assert newest is not None and newest.step == 3
     assert lines == [f"skipping mirrored checkpoint-5 at {url}: optimizer.pt is missing; using the one before it",
-                     f"skipping mirrored checkpoint-4 at {url}: no completion marker (cut mid-upload); using the one "
-                     "before it"]
+                     (f"skipping mirrored checkpoint-4 at {url}: no completion marker (cut mid-upload); using the one "
+                      "before it")]
     # a machine with an intact checkpoint of its own keeps it
     assert restore(trainer, url) is None
     # a machine with none gets the newest complete copy, byte for byte
@@ -104,8 +104,8 @@ def test_mirror_to_s3_keeps_the_newest_and_never_restores_a_cut_copy(
 
 
 def test_storage_checkpoints_refuses_credentials_in_the_url(tmp_path: Path) -> None:
-    from vpo.pipeline.config import ConfigError
     from tests.support.faults import load_cfg, write_pipelines
+    from vpo.pipeline.config import ConfigError
 
     config = write_pipelines(tmp_path)
     with pytest.raises(ConfigError, match="must not embed credentials"):

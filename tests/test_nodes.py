@@ -18,7 +18,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.support.faults import RUN_NAME, VPO, copy_prepared, load_cfg, prepared_run, run_vpo, vpo_env, write_pipelines
+from tests.support.faults import (
+    RUN_NAME,
+    VPO,
+    copy_prepared,
+    load_cfg,
+    prepared_run,
+    run_vpo,
+    vpo_env,
+    write_pipelines,
+)
 
 ARM = Path("runs") / RUN_NAME / "arms" / "vpo-s0"
 
@@ -204,10 +213,10 @@ def test_a_rendezvous_nobody_joins_names_its_address_and_port(
                                                    "VPO_MAIN_PORT": str(port)})
     assert proc.returncode != 0
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
-    assert errors == [f"error: vpo-s0: node 0 of 2: the rendezvous at "
-                      f"127.0.0.1:{port} timed out after 5 s (node 1 never joined); start every node's command within "
-                      f"execution.rendezvous_timeout, with VPO_MAIN_ADDR=127.0.0.1 VPO_MAIN_PORT={port} reachable "
-                      "from each"], proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert errors == [(f"error: vpo-s0: node 0 of 2: the rendezvous at "
+                       f"127.0.0.1:{port} timed out after 5 s (node 1 never joined); start every node's command within "
+                       f"execution.rendezvous_timeout, with VPO_MAIN_ADDR=127.0.0.1 VPO_MAIN_PORT={port} reachable "
+                       "from each")], proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 @pytest.mark.slow

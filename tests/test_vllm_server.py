@@ -102,9 +102,9 @@ def test_a_missing_server_command_fails_in_one_line(tmp_path: Path) -> None:
     from vpo.pipeline.engine.vllm_server import ServerSpec, serving
 
     spec = ServerSpec(("vpo-no-such-server-command",), "http://127.0.0.1:9/health/", 5.0, tmp_path / "vllm.log")
-    with pytest.raises(StageError, match=r"^vLLM server: cannot start `vpo-no-such-server-command` \(No such file"):
-        with serving(spec):
-            pytest.fail("training must not start")
+    with pytest.raises(StageError, match=r"^vLLM server: cannot start `vpo-no-such-server-command` \(No such file"), \
+            serving(spec):
+        pytest.fail("training must not start")
 
 
 def test_a_server_that_dies_mid_run_stops_the_training_with_one_line(tmp_path: Path) -> None:
@@ -192,10 +192,10 @@ def test_the_stage_starts_trl_vllm_serve_on_the_reserved_gpus(tmp_path: Path) ->
 
 
 def test_split_and_settings_refuse_what_cannot_work(tmp_path: Path) -> None:
+    from tests.support.faults import load_cfg, write_pipelines
     from vpo.pipeline.config import ConfigError
     from vpo.pipeline.engine.errors import StageError
     from vpo.pipeline.engine.vllm_server import split_devices
-    from tests.support.faults import load_cfg, write_pipelines
 
     with pytest.raises(StageError, match=r"^here: execution.vllm_gpus 2 leaves no GPU to train on \(2 visible: 0,1\)"):
         split_devices(("0", "1"), 2, "here")
@@ -218,8 +218,8 @@ def test_the_memory_plan_and_the_hardware_check_count_the_server_gpus(
     cfg = _server_cfg(tmp_path, **{"storage.runs_dir": str(tmp_path / "runs")})
     plans = dict(plan_pipeline(cfg, device=device_by_name("h100-80gb")))
     notes = [n for n in plans["route/vpo"].notes if n.startswith("vLLM server mode:")]
-    assert notes == ["vLLM server mode: 2 GPUs per run kept for the generation server (execution.vllm_gpus), not "
-                     "planned here; a node gives the run 1 training + 2 server = 3 GPUs"]
+    assert notes == [("vLLM server mode: 2 GPUs per run kept for the generation server (execution.vllm_gpus), not "
+                      "planned here; a node gives the run 1 training + 2 server = 3 GPUs")]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     with pytest.raises(StageError, match=r"a run needs 1 training GPU \(trainer.accelerate_config\) \+ 2 for its vLLM "
                                          r"server \(execution.vllm_gpus\) on this node, and 2 are visible"):

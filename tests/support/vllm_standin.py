@@ -24,7 +24,7 @@ from pathlib import Path
 
 
 class _Health(http.server.BaseHTTPRequestHandler):
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+    def do_GET(self) -> None:
         code = 200 if self.path.rstrip("/") == "/health" else 404
         self.send_response(code)
         self.send_header("Content-Length", "0")

@@ -49,7 +49,7 @@ _REQUEST_CHARS = 16
 
 def filesystem(url: str) -> tuple[Any, str]:
     """``(fsspec filesystem, root path)`` of any fsspec URL; S3 through the project's ``AWS_*`` settings."""
-    if url.startswith("s3://") or "://" not in url or url.startswith("file://"):
+    if url.startswith(("s3://", "file://")) or "://" not in url:
         return get_filesystem(url)
     import fsspec
 
@@ -199,7 +199,7 @@ class CheckpointMirror:
                 self.fs.put_file(str(checkpoint / rel), f"{dest}/{rel}")
             self.fs.pipe_file(f"{dest}/{MARKER}", json.dumps({"step": step, "files": files}).encode())
             self._prune()
-        except Exception as exc:  # a mirror that fails must not stop training; the next save tries again
+        except Exception as exc:  # noqa: BLE001 - a failed copy must not stop training; the next save tries again
             self.warn(f"warning: could not mirror {checkpoint.name} to {redact(self.url)} ({exc.__class__.__name__}: "
                       f"{str(exc).splitlines()[0] if str(exc) else ''}); training goes on with local checkpoints")
             return

@@ -40,9 +40,10 @@ from vpo.pipeline.engine.processes import kill_group, track, untrack
 
 if TYPE_CHECKING:
     from vpo.pipeline.config import PipelineConfig
+    from vpo.pipeline.config.layout import ArmRun
 
 __all__ = ["DEFAULT_PORT", "MAIN_ADDR_ENV", "MAIN_PORT_ENV", "NODE_RANK_ENV", "RANK_SOURCES", "Heartbeat", "NodeRole",
-           "diagnose", "launch", "node_argv", "node_env", "node_role"]
+           "diagnose", "launch", "node_argv", "node_env", "node_role", "resume_text"]
 
 NODE_RANK_ENV = "VPO_NODE_RANK"
 MAIN_ADDR_ENV = "VPO_MAIN_ADDR"
@@ -186,6 +187,20 @@ def diagnose(role: NodeRole, output: Sequence[str], returncode: int, seconds: fl
             f"above); {resume}")
 
 
+def resume_text(cfg: PipelineConfig, run: ArmRun, mirror: str | None) -> str:
+    """How to resume a run after a node failed: its command on every node, and from where (the newest
+    complete copy in ``mirror`` at this moment, else node 0's local checkpoints)."""
+    from vpo.pipeline.engine.console import command
+    from vpo.pipeline.engine.mirror import newest_complete
+
+    newest = newest_complete(mirror) if mirror else None
+    where = (f"from checkpoint-{newest.step} mirrored in storage.checkpoints" if newest else
+             "from the newest checkpoint in storage.checkpoints (none mirrored yet)" if mirror else
+             "from node 0's newest local checkpoint (set storage.checkpoints to survive losing it)")
+    cmd = command("stage", "train", *cfg.cli_args(), "--arm", run.arm.name, "--seed", str(run.seed))
+    return f"resume with `{cmd}` on every node (same {NODE_RANK_ENV} each); it resumes {where}"
+
+
 class Heartbeat:
     """Each node's command counts up ``beat/<rank>`` in a small key-value store node 0 hosts on the port
     after the rendezvous port (torch's ``TCPStore``), once a second, beside its ranks. When a launch
@@ -219,7 +234,7 @@ class Heartbeat:
             while not self._stop.is_set():
                 self._store.add(f"beat/{self.role.rank}", 1)  # type: ignore[attr-defined]
                 self._stop.wait(self.INTERVAL_S)
-        except Exception:  # the store's host is gone or unreachable: silent() says so
+        except Exception:  # noqa: BLE001 - the store's host is gone or unreachable: silent() says so
             return
 
     def _counts(self) -> dict[int, int]:
@@ -234,7 +249,7 @@ class Heartbeat:
             before = self._counts()
             time.sleep(wait_s)
             after = self._counts()
-        except Exception:
+        except Exception:  # noqa: BLE001 - torch's DistNetworkError and kin: the host (node 0) is gone
             return None if self.role.is_main else [0]
         return [r for r in range(self.role.nodes) if r != self.role.rank and after[r] == before[r]]
 

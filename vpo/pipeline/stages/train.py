@@ -49,10 +49,10 @@ from vpo.pipeline.engine.errors import StageError
 from vpo.pipeline.engine.inputs import load_rows, stage_command
 from vpo.pipeline.engine.mirror import MIRROR_ENV, mirror_callback, mirror_url, restore_for
 from vpo.pipeline.engine.nodes import launch as launch_node
-from vpo.pipeline.engine.nodes import node_role
-from vpo.pipeline.engine.vllm_server import for_run as vllm_server_for
+from vpo.pipeline.engine.nodes import node_role, resume_text
 from vpo.pipeline.engine.processes import CHILD_ENV
 from vpo.pipeline.engine.state import read_state, why_stale, write_state
+from vpo.pipeline.engine.vllm_server import for_run as vllm_server_for
 from vpo.pipeline.memory import check_plan
 from vpo.rewards import VectorReward
 
@@ -459,27 +459,13 @@ def _launch(ctx: StageContext, argv: Sequence[str]) -> dict[str, Any]:
     log(f"{ctx.arm_run.rid}: launching `accelerate launch --config_file {cfg.trainer.accelerate_config}`")
     if (role := node_role(cfg)) is not None:  # one node of a multi-node run: node 0 publishes
         logs = ctx.layout.logs / "ranks" / f"{ctx.arm_run.rid}-node{role.rank}-{time.strftime('%Y%m%d-%H%M%S')}"
-        launch_node(cmd, env, role, rid=ctx.arm_run.rid, log_dir=logs, resume=lambda: _resume_text(ctx))
+        launch_node(cmd, env, role, rid=ctx.arm_run.rid, log_dir=logs, resume=lambda: resume_text(ctx.cfg, ctx.arm_run, mirror_url(ctx)))
         return json.loads(ctx.layout.arm_metrics(ctx.arm_run.rid).read_text()) if role.is_main else {}
     proc = subprocess.run(cmd, env=env, check=False)
     if proc.returncode != 0:
         raise StageError(f"{ctx.arm_run.rid}: `accelerate launch` exited with {proc.returncode} (see its output "
                          f"above; trainer.accelerate_config = {cfg.trainer.accelerate_config})")
     return json.loads(ctx.layout.arm_metrics(ctx.arm_run.rid).read_text())
-
-
-def _resume_text(ctx: StageContext) -> str:
-    """How to resume this run after a node failed: its command on every node, and from where."""
-    from vpo.pipeline.engine.console import command
-    from vpo.pipeline.engine.mirror import newest_complete
-
-    rid, url = ctx.arm_run.rid, mirror_url(ctx)
-    newest = newest_complete(url) if url else None
-    where = (f"from checkpoint-{newest.step} mirrored in storage.checkpoints" if newest else
-             "from the newest checkpoint in storage.checkpoints (none mirrored yet)" if url else
-             "from node 0's newest local checkpoint (set storage.checkpoints to survive losing it)")
-    cmd = command("stage", "train", *ctx.cfg.cli_args(), "--arm", ctx.arm_run.arm.name, "--seed", str(ctx.arm_run.seed))
-    return f"resume with `{cmd}` on every node (same VPO_NODE_RANK each); it resumes {where}"
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
