@@ -437,7 +437,7 @@ def test_prefect_yaml_k8s_job_variables_exist_in_the_template() -> None:
 def test_prefect_yaml_entrypoints_point_to_real_flows() -> None:
     deployments = prefect_yaml()["deployments"]
     entrypoints = {d["entrypoint"] for d in deployments}
-    assert entrypoints == {"flows/retrain.py:retrain", "flows/arm.py:train_arm"}
+    assert entrypoints == {"flows/retrain.py:retrain", "flows/arm.py:train_arm", "flows/nodes.py:train_node"}
     for entrypoint in entrypoints:
         path, func = entrypoint.split(":")
         tree = ast.parse((REPO / path).read_text())

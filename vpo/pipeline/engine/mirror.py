@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -138,7 +139,8 @@ def restore(trainer_dir: Path, url: str) -> Path | None:
     fs, _ = filesystem(url)
     name = f"checkpoint-{copy.step}"
     trainer_dir.mkdir(parents=True, exist_ok=True)
-    partial = trainer_dir / f".{name}.restoring"
+    # its own temporary folder: nodes sharing a run folder may restore at the same time
+    partial = trainer_dir / f".{name}.restoring-{socket.gethostname()}-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
     t0 = time.monotonic()
     try:
@@ -150,6 +152,9 @@ def restore(trainer_dir: Path, url: str) -> Path | None:
                          "then run the stage again") from None
     (partial / MARKER).unlink(missing_ok=True)
     target = trainer_dir / name
+    if latest_checkpoint(trainer_dir) == target:  # another node sharing this folder restored it meanwhile
+        shutil.rmtree(partial, ignore_errors=True)
+        return target
     shutil.rmtree(target, ignore_errors=True)  # a damaged local copy latest_checkpoint skipped
     os.replace(partial, target)
     log(f"restored {name} from {redact(url)} ({sum(_files(target).values()) / 2**20:.1f} MiB in "
