@@ -123,6 +123,34 @@ def test_a_server_that_dies_mid_run_stops_the_training_with_one_line(tmp_path: P
         message
 
 
+_LAUNCHER = """
+import subprocess, sys, time
+from pathlib import Path
+rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+Path(sys.argv[1]).write_text(f"{rank.pid}")
+rank.wait()
+"""
+
+
+def test_a_server_that_dies_under_a_launched_training_stops_its_processes(tmp_path: Path) -> None:
+    """The accelerate path: the stage waits on a launcher (subprocess.run) whose rank processes train; the
+    server's death ends the wait at once and no rank outlives it."""
+    from vpo.pipeline.engine.errors import StageError
+    from vpo.pipeline.engine.vllm_server import serving
+
+    spec, ranks = _spec(tmp_path, "--die-after", "4"), tmp_path / "rank.pid"
+    t0 = time.monotonic()
+    with pytest.raises(StageError, match=r"^vLLM server exited with 7 while the run was training"), serving(spec):
+        subprocess.run([sys.executable, "-c", _LAUNCHER, str(ranks)], check=False, timeout=240)
+        pytest.fail("the launch went on without its server")
+    assert time.monotonic() - t0 < 120
+    rank = int(ranks.read_text())
+    deadline = time.monotonic() + 10
+    while not _gone(rank) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(rank), "a rank process outlived the server"
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_ctrl_c_and_sigterm_stop_the_server(tmp_path: Path, sig: signal.Signals, code: int) -> None:

@@ -6,7 +6,8 @@ last N of its GPUs, waits up to ``trainer.vllm_server_timeout`` seconds for ``/h
 trains on the other GPUs, and stops the server's process group when training ends: on success, on an
 error, on Ctrl-C and on SIGTERM (the command's signal handling stops every tracked child, and the
 ``finally`` here stops it again). A server that exits while the run trains interrupts the training at
-once (a signal to the main thread), and the stage fails with one line naming its exit status and log.
+once (a signal to the main thread, SIGTERM to the launched training processes), and the stage fails with
+one line naming its exit status and log.
 The server's output goes to ``logs/vllm-<run>-<time>.log`` in the run folder.
 """
 
@@ -171,6 +172,28 @@ class VLLMServer:
                 f"stopped. See {shown_path(self.spec.log)}; the run resumes from its last checkpoint when started again")
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux ``/proc``; none elsewhere)."""
+    out, todo = [], [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            out += children
+            todo += children
+    return out
+
+
+def _stop_descendants() -> None:
+    """SIGTERM every process this one started, directly or not: a training launched as a child (``accelerate
+    launch`` and its ranks, in this process's group) must not outlive its server."""
+    for pid in _descendants(os.getpid()):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGTERM)
+
+
 @contextlib.contextmanager
 def serving(spec: ServerSpec) -> Iterator[VLLMServer]:
     """Start the server, wait until it is healthy, run the block, stop the server whatever happens. A server
@@ -181,6 +204,7 @@ def serving(spec: ServerSpec) -> Iterator[VLLMServer]:
     if in_main:
         def died(signum: int, frame: object) -> None:
             if not server._stopping.is_set():
+                _stop_descendants()  # the training's launcher and its ranks, before anyone reaps the launcher
                 raise ServerDied(server.death_text())
 
         previous = signal.signal(signal.SIGUSR1, died)
