@@ -175,25 +175,13 @@ def _base(folder: Path) -> dict[str, object]:
 # --------------------------------------------------------------------------- faults past one node
 
 
-def _descendants(pid: int) -> list[int]:
-    """``pid`` and every process below it (the launcher runs in a session of its own)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        for task in Path(f"/proc/{p}/task").glob("*"):
-            try:
-                todo += [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                continue
-    return out
-
-
 def _kill_node(pid: int) -> None:
     """What losing a machine does to its processes: every one of them SIGKILLed at once."""
     import os
 
-    for p in _descendants(pid):
+    from vpo.pipeline.engine.processes import descendants
+
+    for p in [pid, *descendants(pid)]:
         try:
             os.kill(p, signal.SIGKILL)
         except ProcessLookupError:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from vpo.pipeline.engine.console import log, shown_path
 from vpo.pipeline.engine.errors import StageError
-from vpo.pipeline.engine.processes import kill_group, track, untrack
+from vpo.pipeline.engine.processes import descendants, kill_group, track, untrack
 
 if TYPE_CHECKING:
     from vpo.pipeline.engine.context import StageContext
@@ -172,24 +172,10 @@ class VLLMServer:
                 f"stopped. See {shown_path(self.spec.log)}; the run resumes from its last checkpoint when started again")
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (Linux ``/proc``; none elsewhere)."""
-    out, todo = [], [pid]
-    while todo:
-        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
-            try:
-                children = [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                continue
-            out += children
-            todo += children
-    return out
-
-
 def _stop_descendants() -> None:
     """SIGTERM every process this one started, directly or not: a training launched as a child (``accelerate
     launch`` and its ranks, in this process's group) must not outlive its server."""
-    for pid in _descendants(os.getpid()):
+    for pid in descendants(os.getpid()):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGTERM)
 
