@@ -103,6 +103,23 @@ def test_mirror_to_s3_keeps_the_newest_and_never_restores_a_cut_copy(
     _exercise(f"s3://{s3_bucket}/checkpoints", tmp_path / "local", monkeypatch)
 
 
+def test_a_checkpoint_of_several_processes_is_intact_with_one_rng_state_each(tmp_path: Path) -> None:
+    """The Trainer saves rng_state_<rank>.pth per process when several train (one node's or several
+    nodes'): such a checkpoint is complete, and a torn one of them is still found."""
+    import torch
+
+    from vpo.pipeline.engine.checkpoints import checkpoint_problem
+
+    path = _checkpoint(tmp_path, 2)
+    (path / "rng_state.pth").unlink()
+    assert checkpoint_problem(path) == "missing rng_state.pth"
+    for rank in (0, 1):
+        torch.save({"cpu": torch.arange(5)}, path / f"rng_state_{rank}.pth")
+    assert checkpoint_problem(path) is None
+    (path / "rng_state_1.pth").write_bytes(b"PK\x03\x04 torn")
+    assert checkpoint_problem(path) == "rng_state_1.pth is not a complete archive (BadZipFile)"
+
+
 def test_storage_checkpoints_refuses_credentials_in_the_url(tmp_path: Path) -> None:
     from tests.support.faults import load_cfg, write_pipelines
     from vpo.pipeline.config import ConfigError
