@@ -284,7 +284,8 @@ def test_semantic_cross_field_checks(tmp_path: Path) -> None:
     found = problems(err.value)
     assert "largest k (10)" in found["pipelines.p.evaluation"]
     assert "seeds must be unique" in found["pipelines.p.arms[1].seeds"]
-    assert "vllm_server_base_url" in found["pipelines.p.trainer"]
+    # a server you run (trainer.vllm_server_base_url) or one the stage starts (execution.vllm_gpus)
+    assert "vllm_server_base_url" in found["pipelines.p.execution"] and "vllm_gpus" in found["pipelines.p.execution"]
 
 
 def test_duplicate_arm_names_and_all_disabled(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -436,7 +437,7 @@ def test_prefect_yaml_k8s_job_variables_exist_in_the_template() -> None:
 def test_prefect_yaml_entrypoints_point_to_real_flows() -> None:
     deployments = prefect_yaml()["deployments"]
     entrypoints = {d["entrypoint"] for d in deployments}
-    assert entrypoints == {"flows/retrain.py:retrain", "flows/arm.py:train_arm"}
+    assert entrypoints == {"flows/retrain.py:retrain", "flows/arm.py:train_arm", "flows/nodes.py:train_node"}
     for entrypoint in entrypoints:
         path, func = entrypoint.split(":")
         tree = ast.parse((REPO / path).read_text())
@@ -527,3 +528,63 @@ def test_serve_script_fetches_registered_checkpoint_first() -> None:
     from vpo.pipeline.registry.cli import main
 
     assert main(fetch_argv[4:] + ["--help"]) == 0  # `vpo registry ARGS` is the registry module's CLI
+
+
+def test_serve_script_trl_mode_names_current_settings(tmp_path: Path) -> None:
+    """The keys the TRL mode tells the user to set are the pipeline's current ones: they load."""
+    from tests.support.faults import load_cfg, write_pipelines
+
+    out = serve("--dry-run", "--trl", "--host", "0.0.0.0", "--port", "8011", "/ckpt/policy")
+    assert out.returncode == 0 and "generation_backend" not in SERVE.read_text()
+    sets = dict(item.split("=", 1) for item in out.stderr.split("--set ")[1:])
+    assert sets == {"trainer.use_vllm": "true ", "trainer.vllm_mode": "server ",
+                    "trainer.vllm_server_base_url": "http://127.0.0.1:8011\n"}
+    cfg = load_cfg(write_pipelines(tmp_path), **{"trainer.use_vllm": True, "trainer.vllm_mode": "server",
+                                                 "trainer.vllm_server_base_url": "http://127.0.0.1:8011"})
+    assert cfg.trainer.vllm_server_base_url == "http://127.0.0.1:8011"
+
+
+# --------------------------------------------------------------------------- multi-node Kubernetes job
+
+
+def test_k8s_multinode_render_for_two_nodes_of_eight_gpus(tmp_path: Path) -> None:
+    """infra/k8s/multinode.py renders a headless Service and an indexed Job: 2 pods of 8 GPUs, each running
+    the same `vpo stage train`, node rank = completion index, node 0 reached through the Service; the
+    command's settings load, and each pod's environment gives the train stage its role."""
+    from vpo.pipeline.cli import _parser
+    from vpo.pipeline.config import load_pipeline
+    from vpo.pipeline.config.settings import world_size
+    from vpo.pipeline.engine.nodes import node_role
+
+    out = subprocess.run([sys.executable, str(INFRA / "k8s" / "multinode.py"), "--nodes", "2", "--gpus", "8",
+                          "--arm", "vpo", "--seed", "0", "--pipeline", "route", "--image", "registry/vpo:gpu",
+                          "--checkpoints", "s3://vpo-artifacts/checkpoints"],
+                         capture_output=True, text=True, timeout=120, check=False, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert "&id" not in out.stdout  # plain YAML, no anchors
+    service, job = yaml.safe_load_all(out.stdout)
+    assert (service["kind"], job["kind"]) == ("Service", "Job")
+    spec = job["spec"]
+    assert (spec["completionMode"], spec["completions"], spec["parallelism"], spec["backoffLimit"]) == (
+        "Indexed", 2, 2, 0)
+    pod = spec["template"]["spec"]
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    assert pod["subdomain"] == service["metadata"]["name"]
+    assert service["spec"]["selector"].items() <= spec["template"]["metadata"]["labels"].items()
+    (container,) = pod["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert [q["port"] for q in service["spec"]["ports"]] == [29500, 29501]  # rendezvous, heartbeat
+    assert [q["containerPort"] for q in container["ports"]] == [29500, 29501]
+    assert container["envFrom"] == [{"secretRef": {"name": "vpo-s3", "optional": False}}]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["VPO_MAIN_ADDR"] == f"{job['metadata']['name']}-0.{service['metadata']['name']}"
+    assert not any("SECRET" in k or "KEY" in k for k in env)
+    argv = container["command"]
+    assert argv[:3] == ["python", "-m", "vpo.pipeline.cli"]
+    args = _parser().parse_args(argv[3:])
+    assert (args.cmd, args.name, args.arm, args.seed) == ("stage", "train", "vpo", 0)
+    overrides = dict(item.split("=", 1) for item in args.set)
+    cfg = load_pipeline("route", REPO / "pipelines.yaml", overrides={**overrides, "execution.nodes": 2})
+    assert world_size(cfg) == 16 and cfg.storage.checkpoints == "s3://vpo-artifacts/checkpoints"
+    role = node_role(cfg, {"JOB_COMPLETION_INDEX": "1", **env})
+    assert role is not None and (role.rank, role.per_node, role.world, role.port) == (1, 8, 16, 29500)

@@ -5,7 +5,9 @@
 #   openai (default)  `vllm serve`: an OpenAI-compatible API (/v1/completions, /v1/chat/completions)
 #                     for the OpenEvolve bridge and test-time search (pipelines.yaml search.server_url).
 #   --trl             `trl vllm-serve`: TRL's generation server for training with
-#                     trainer.generation_backend=vllm, trainer.vllm_mode=server (vllm_server_url).
+#                     trainer.use_vllm=true, trainer.vllm_mode=server and
+#                     trainer.vllm_server_base_url=http://HOST:PORT (a server you run yourself; with
+#                     execution.vllm_gpus the train stage starts and stops one itself: docs/nodes.md).
 #
 # Usage:
 #   infra/vllm/serve.sh [options] MODEL                 MODEL: hub id or local checkpoint folder
@@ -45,7 +47,7 @@ while [[ $# -gt 0 ]]; do
     --registry) registry="${2:?--registry needs a value}"; shift 2 ;;
     --entry) entry="${2:?--entry needs a value}"; shift 2 ;;
     --dry-run) dry_run=1; shift ;;
-    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
     -*) die "unknown option $1" ;;
     *) [[ -z "$model" ]] || die "more than one MODEL given"; model="$1"; shift ;;
   esac
@@ -78,6 +80,11 @@ else
   [[ -z "$max_len" ]] || cmd+=(--max-model-len "$max_len")
 fi
 
+if [[ "$mode" == trl ]]; then
+  url_host="$host"; [[ "$url_host" != 0.0.0.0 ]] || url_host=127.0.0.1
+  echo "serve.sh: train against it with --set trainer.use_vllm=true --set trainer.vllm_mode=server" \
+       "--set trainer.vllm_server_base_url=http://$url_host:$port" >&2
+fi
 if [[ $dry_run -eq 1 ]]; then
   printf '%s\n' "${cmd[@]}"
   exit 0

@@ -239,6 +239,19 @@ def _stage(args: argparse.Namespace, cfg: Any) -> int:
         for step in steps:
             train(StageContext(cfg, layout, "train", step.run))
         return 0
+    if args.name == "train" and not os.environ.get(CHILD_ENV):
+        from vpo.pipeline.engine.nodes import node_role
+
+        role = node_role(cfg)
+        if role is not None and not role.is_main:  # node 0 holds the lock, checks staleness and records the run
+            from vpo.pipeline.engine.context import StageContext
+            from vpo.pipeline.engine.preflight import check_hardware
+            from vpo.pipeline.runner import fingerprint
+
+            check_hardware(cfg)
+            for step in steps:
+                step.stage.call(StageContext(cfg, layout, "train", step.run, fingerprint(cfg, step, layout)))
+            return 0
     # one arm run trains beside other arm runs (shared run lock); anything else runs alone
     arm = steps[0].run.rid if args.name == "train" and len(steps) == 1 else None
     with pipeline_lock(layout.root, cfg.variant, arm=arm):

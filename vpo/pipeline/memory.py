@@ -44,7 +44,7 @@ from vpo.memory import (
 from vpo.memory.evaluation import EvalPlan, check_evaluation, format_evaluation, plan_evaluation
 from vpo.pipeline.config import PipelineConfig
 from vpo.pipeline.config.layout import ArmRun, RunLayout
-from vpo.pipeline.config.settings import deepspeed_zero, vpo_config_kwargs
+from vpo.pipeline.config.settings import accelerate_processes, deepspeed_zero, vpo_config_kwargs
 from vpo.pipeline.engine.console import detail, log
 from vpo.pipeline.engine.context import build_task
 from vpo.pipeline.engine.errors import StageError
@@ -232,9 +232,17 @@ def arm_plan(cfg: PipelineConfig, run: ArmRun, *, device: Device, parallel: Para
         kwargs = vpo_config_kwargs(cfg, run, layout.arm_trainer(run.rid), cuda=device.is_cuda, progress=False)
     settings = TrainSettings.from_trl(kwargs, max_prompt_length=_prompt_tokens(cfg), param_dtype=dtype)
     try:
-        return plan_step(model, settings, parallel=par, device=device, lora=_lora(cfg))
+        plan = plan_step(model, settings, parallel=par, device=device, lora=_lora(cfg))
     except ValueError as exc:
         raise StageError(f"pipeline {cfg.name!r} arm {run.arm.name!r}: {exc}") from None
+    reserved = cfg.execution.vllm_gpus
+    if reserved:  # the server's GPUs are the run's too: say how many a node gives it and the training
+        per_node = accelerate_processes(cfg) or 1
+        plan.notes[:] = [n for n in plan.notes if not n.startswith("vLLM server mode:")]
+        plan.notes.append(f"vLLM server mode: {reserved} GPU{'s' if reserved != 1 else ''} per run kept for the "
+                          f"generation server (execution.vllm_gpus), not planned here; a node gives the run "
+                          f"{per_node} training + {reserved} server = {per_node + reserved} GPUs")
+    return plan
 
 
 def check_plan(ctx: Any, args: Any) -> MemoryPlan:

@@ -125,6 +125,14 @@ def run_step(cfg: PipelineConfig, step: Step, *, layout: RunLayout | None = None
             remove_temps_in(path)
     if step.stage.name in GPU_STAGES:
         check_hardware(cfg)  # a GPU setting the machine cannot honour: one clear error before any work
+    if step.stage.per_run:
+        from vpo.pipeline.engine.nodes import node_role
+
+        role = node_role(cfg)
+        if role is not None and not role.is_main:  # node 0 records the run; this node only trains its share
+            raise StageError(f"{step.label}: this is {role.describe().split(';')[0]}: node 0 runs the pipeline and "
+                             f"records the run; here run only `vpo stage train --arm {step.run.arm.name} --seed "
+                             f"{step.run.seed}` (the same command as node 0's)")
     t0 = time.time()
     ctx = StageContext(cfg, layout, step.stage.name, step.run, fp, progress=progress)
     try:

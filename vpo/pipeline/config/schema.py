@@ -109,8 +109,6 @@ class TrainerConfig(VPOConfigFields, _TrainerOwn):
     @model_validator(mode="after")
     def _server_url(self) -> TrainerConfig:
         use_vllm, mode, url = self.use_vllm, self.vllm_mode, self.vllm_server_base_url
-        if use_vllm and mode == "server" and not url:
-            raise ValueError("vllm_mode 'server' needs vllm_server_base_url")
         if url and not (use_vllm and mode == "server"):
             raise ValueError("vllm_server_base_url is used only with use_vllm: true and vllm_mode: server")
         if self.push_to_hub and not self.hub_model_id:
@@ -251,6 +249,34 @@ class PipelineConfig(Strict):
             self.__dict__["evaluation"] = EvaluationConfig.model_construct(_fields_set=set(ev.model_fields_set),
                                                                            **values)
         return self
+
+    @field_validator("execution")
+    @classmethod
+    def _vllm_server(cls, ex: ExecutionConfig, info: ValidationInfo) -> ExecutionConfig:
+        """Server-mode generation needs a server: one the user runs (``trainer.vllm_server_base_url``) or
+        one the train stage starts itself on ``execution.vllm_gpus`` GPUs -- exactly one of them. (A field
+        check, so it is reported beside the other fields' errors; ``trainer`` and ``arms`` come first.)"""
+        tr, arms = info.data.get("trainer"), info.data.get("arms") or []
+        if tr is None:
+            return ex
+        server_mode = tr.use_vllm and tr.vllm_mode == "server"
+        if server_mode and not tr.vllm_server_base_url and not ex.vllm_gpus:
+            raise ValueError("trainer.vllm_mode 'server' needs a server: trainer.vllm_server_base_url (one you run) "
+                             "or execution.vllm_gpus (the train stage starts `trl vllm-serve` on that many GPUs)")
+        if ex.vllm_gpus and not server_mode:
+            raise ValueError(f"execution.vllm_gpus ({ex.vllm_gpus}) keeps GPUs for a generation server: it needs "
+                             "trainer.use_vllm: true and trainer.vllm_mode: server")
+        if ex.vllm_gpus and tr.vllm_server_base_url:
+            raise ValueError("give trainer.vllm_server_base_url (a server you run) or execution.vllm_gpus (the train "
+                             "stage starts one), not both")
+        if ex.vllm_command and not ex.vllm_gpus:
+            raise ValueError("execution.vllm_command starts the server execution.vllm_gpus reserves: set vllm_gpus")
+        for arm in arms:
+            own = arm.model_fields_set & {"use_vllm", "vllm_mode"}
+            if arm.enabled and ex.vllm_gpus and any(getattr(arm, k) != getattr(tr, k) for k in own):
+                raise ValueError(f"arms.{arm.name}: use_vllm/vllm_mode differ from the trainer's; with "
+                                 "execution.vllm_gpus every arm generates through the server the stage starts")
+        return ex
 
     @property
     def enabled_arms(self) -> list[ArmConfig]:

@@ -239,11 +239,30 @@ class StorageConfig(Strict):
     dvc_remote_name: Annotated[str, Field(pattern=NAME_RE)] = "storage"
     registry: str = Field(default="runs/registry", description="checkpoint registry URL")
     runs_dir: str = Field(default="runs", min_length=1, description="local working folder for stage outputs")
+    checkpoints: str | None = Field(
+        default=None, description="any fsspec URL (s3://bucket/prefix, a local or shared folder): each training "
+        "checkpoint is copied there in the background as it is written, and a run whose local folder has none "
+        "resumes from the newest complete copy (None: checkpoints stay on local disk)")
+    checkpoints_keep: PositiveInt = Field(
+        default=2, description="mirrored checkpoints kept per run in storage.checkpoints (older ones deleted)")
 
     @field_validator("dvc_remote", "registry")
     @classmethod
     def _check_url(cls, value: str | None, info: ValidationInfo) -> str | None:
         return None if value is None else _check_local_url(value, f"storage.{info.field_name}")
+
+    @field_validator("checkpoints")
+    @classmethod
+    def _check_mirror(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if _URL_CREDENTIALS.match(value):
+            raise ValueError("storage.checkpoints must not embed credentials; use the AWS_* environment variables")
+        if value.startswith("s3://") and not _S3_RE.match(value):
+            raise ValueError(f"expected s3://<bucket>/<prefix> with a valid bucket name, got {value!r}")
+        if not value.strip():
+            raise ValueError("expected an fsspec URL or a folder, got an empty string")
+        return value
 
     @field_validator("runs_dir")
     @classmethod
@@ -296,6 +315,18 @@ class ExecutionConfig(Strict):
         default=None, description="independent stages at once (None: derived from cores, GPUs and each run's "
         "threads and devices; 1: one after another)"
     )
+    nodes: PositiveInt | None = Field(
+        default=None, description="machines one training run spans (None: num_machines of trainer.accelerate_config, "
+        "else 1); each node runs the same `vpo stage train` command with VPO_NODE_RANK (docs/nodes.md); "
+        "max_parallel still counts runs")
+    rendezvous_timeout: PositiveInt = Field(
+        default=600, description="seconds the nodes of a multi-node run wait for each other when they start")
+    vllm_gpus: int = Field(
+        default=0, ge=0, description="GPUs of each run kept for the `trl vllm-serve` the train stage starts itself "
+        "(trainer.use_vllm with vllm_mode: server); training gets the others")
+    vllm_command: list[str] | None = Field(
+        default=None, min_length=1, description="the generation server's command ({model}, {host}, {port}, {tp} "
+        "filled in; None: trl vllm-serve with those and the trainer's vllm_* settings)")
     threads_per_stage: PositiveInt | None = Field(
         default=None, description="torch threads of each training run and arm search (None: OMP_NUM_THREADS if set, else the "
         "cores divided among the runs that fit at once)"

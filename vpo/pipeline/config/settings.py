@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from vpo.pipeline.config.schema import ArmConfig, PipelineConfig
 
 __all__ = ["Zero", "accelerate_processes", "accelerate_settings", "arm_batch", "deepspeed_zero", "distributed_type",
-           "peft_config", "vpo_config_kwargs", "world_size"]
+           "peft_config", "run_nodes", "vpo_config_kwargs", "world_size"]
 
 
 def accelerate_settings(cfg: PipelineConfig) -> dict[str, Any]:
@@ -70,11 +70,24 @@ def deepspeed_zero(cfg: PipelineConfig, acc: Mapping[str, Any], path: Path) -> Z
     return Zero(int(stage or 0), off_opt in ("cpu", "nvme"), off_par in ("cpu", "nvme"))
 
 
-def accelerate_processes(cfg: PipelineConfig) -> int | None:
-    """``num_processes`` of ``trainer.accelerate_config`` (None: no such file setting, or it names none or
-    cannot be read)."""
-    value = accelerate_settings(cfg).get("num_processes")
+def _accelerate_int(cfg: PipelineConfig, key: str) -> int | None:
+    """A positive integer ``key`` of ``trainer.accelerate_config`` (None: no such file setting, or it names
+    none or cannot be read)."""
+    value = accelerate_settings(cfg).get(key)
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def accelerate_processes(cfg: PipelineConfig) -> int | None:
+    """Processes one node of a run starts: ``num_processes`` of ``trainer.accelerate_config`` over its
+    ``num_machines`` (accelerate counts all machines' processes; None: no file, or it names none)."""
+    total = _accelerate_int(cfg, "num_processes")
+    return None if total is None else max(1, total // (_accelerate_int(cfg, "num_machines") or 1))
+
+
+def run_nodes(cfg: PipelineConfig) -> int:
+    """Machines one training run spans: ``execution.nodes``, else the accelerate config's ``num_machines``,
+    else 1."""
+    return cfg.execution.nodes or _accelerate_int(cfg, "num_machines") or 1
 
 
 def distributed_type(cfg: PipelineConfig) -> str:
@@ -84,10 +97,10 @@ def distributed_type(cfg: PipelineConfig) -> str:
 
 
 def world_size(cfg: PipelineConfig) -> int:
-    """Processes one run trains on: the accelerate config's ``num_processes`` with
-    ``trainer.accelerate_config`` (1 when it names none), else ``WORLD_SIZE`` (torchrun), else 1."""
+    """Processes one run trains on: the accelerate config's processes per node times the run's nodes with
+    ``trainer.accelerate_config`` (1 per node when it names none), else ``WORLD_SIZE`` (torchrun), else 1."""
     if cfg.trainer.accelerate_config:
-        return accelerate_processes(cfg) or 1
+        return (accelerate_processes(cfg) or 1) * run_nodes(cfg)
     try:
         return max(1, int(os.environ.get("WORLD_SIZE", "1")))
     except ValueError:

@@ -123,8 +123,8 @@ def _marker_path(cfg: PipelineConfig) -> Path:
 def _marker(cfg: PipelineConfig, steps: Sequence[Step]) -> dict[str, object]:
     """What a ``dvc commit`` of ``steps`` records: the DVC files and each step's own record (its
     settings, code and input hashes and output digest). Equal to the last commit's: nothing to do."""
-    from vpo.pipeline.dvc.params import PARAMS_FILE
     from vpo.pipeline.config.layout import RunLayout
+    from vpo.pipeline.dvc.params import PARAMS_FILE
 
     layout = RunLayout.of(cfg)
     files = {name: _sha256(cfg.base_dir / name) for name in ("dvc.yaml", "dvc.lock", PARAMS_FILE)}

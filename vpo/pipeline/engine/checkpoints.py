@@ -196,14 +196,16 @@ def checkpoint_problem(path: Path) -> str | None:
     weights = sorted(path.glob("*.safetensors"))
     if not weights and not (path / "pytorch_model.bin").is_file():
         return "no model weights"
-    missing = [f for f in _STATE_FILES if not (path / f).is_file()]
+    # a run of several processes saves one RNG state per process (rng_state_<rank>.pth), not rng_state.pth
+    per_process = sorted(p.name for p in path.glob("rng_state_*.pth"))
+    missing = [f for f in _STATE_FILES if not (path / f).is_file() and not (f == "rng_state.pth" and per_process)]
     if missing:
         return f"missing {', '.join(missing)}"
     for w in weights:
         problem = safetensors_problem(w)
         if problem:
             return problem
-    for f in (*_STATE_FILES, "pytorch_model.bin"):
+    for f in (*_STATE_FILES, *per_process, "pytorch_model.bin"):
         if (path / f).is_file():
             problem = _torch_file_problem(path / f)
             if problem:

@@ -5,8 +5,9 @@ write separate folders), and within the search stage, each arm's search. ``execu
 bounds how many run at once; by default it is derived from the machine and from what one run
 declares it needs:
 
-* **devices**: a run's GPUs: ``num_processes`` of its ``trainer.accelerate_config``, else 1 when a GPU
-  is visible, else 0. Runs at once never exceed ``GPUs // devices``, and each concurrent run sees only
+* **devices**: a run's GPUs on one node: ``num_processes`` of its ``trainer.accelerate_config`` over its
+  ``num_machines`` (a run over ``execution.nodes`` takes that many on each node), else 1 when a GPU is
+  visible, else 0; plus ``execution.vllm_gpus`` for its generation server. Runs at once never exceed ``GPUs // devices``, and each concurrent run sees only
   its own GPUs (``CUDA_VISIBLE_DEVICES``).
 * **threads**: a run's torch threads: ``execution.threads_per_stage``, else ``OMP_NUM_THREADS`` if set,
   else the cores divided by the runs that fit at once (``cores // min(runs, cores, GPU slots)``; on a
@@ -113,10 +114,11 @@ class Concurrency:
 
 
 def stage_devices(cfg: PipelineConfig, machine: Machine) -> int:
-    """GPUs one training run uses: its accelerate processes, else 1 with a GPU, else 0."""
+    """GPUs one training run uses on this machine: its accelerate processes on one node (else 1 with a GPU,
+    else 0), plus the GPUs ``execution.vllm_gpus`` keeps for its generation server."""
     if not machine.gpus:
         return 0
-    return max(1, accelerate_processes(cfg) or 1)
+    return max(1, accelerate_processes(cfg) or 1) + cfg.execution.vllm_gpus
 
 
 def _env_threads(name: str) -> int | None:

@@ -17,8 +17,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vpo import requirements as reqs
-from vpo.pipeline.config.settings import accelerate_settings, arm_batch, deepspeed_zero, distributed_type
+from vpo.pipeline.config.settings import (
+    accelerate_processes,
+    accelerate_settings,
+    arm_batch,
+    deepspeed_zero,
+    distributed_type,
+)
 from vpo.pipeline.engine.errors import StageError
+from vpo.pipeline.engine.execution import Machine
 
 if TYPE_CHECKING:
     from vpo.pipeline.config import PipelineConfig
@@ -128,6 +135,13 @@ def hardware_problems(cfg: PipelineConfig, *, cuda: bool | None = None) -> list[
             source = "" if "use_vllm" in cfg.evaluation.model_fields_set else " (from trainer.use_vllm)"
             out.append(f"{where}: evaluation.use_vllm is true{source} but no CUDA GPU is visible (set "
                        "evaluation.use_vllm: false on CPU machines)")
+    reserved = cfg.execution.vllm_gpus
+    if reserved and cuda:
+        gpus, per_node = Machine.detect().gpus, accelerate_processes(cfg) or 1
+        if len(gpus) < per_node + reserved:
+            out.append(f"{where}: a run needs {per_node} training GPU{'s' if per_node != 1 else ''} "
+                       f"(trainer.accelerate_config) + {reserved} for its vLLM server (execution.vllm_gpus) "
+                       f"on this node, and {len(gpus)} {'is' if len(gpus) == 1 else 'are'} visible")
     tr = cfg.trainer
     if tr.accelerate_config and not Path(cfg.resolve_path(tr.accelerate_config)).is_file():
         out.append(f"{where}: trainer.accelerate_config {tr.accelerate_config!r} does not exist")

@@ -18,7 +18,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["CHILD_ENV", "STOP_SIGNALS", "Terminated", "children_stop_first", "exit_code", "kill_group", "stop_all", "stop_on_signals",
+__all__ = ["CHILD_ENV", "STOP_SIGNALS", "Terminated", "children_stop_first", "descendants", "exit_code", "kill_group",
+           "stop_all", "stop_on_signals",
            "stopping", "track", "tracked", "untrack"]
 
 CHILD_ENV = "VPO_TRAIN_LAUNCHED"
@@ -70,6 +71,23 @@ def kill_group(proc: subprocess.Popen[Any], grace_s: float = 5.0) -> None:
         os.killpg(proc.pid, signal.SIGKILL)  # what the leader left behind in its group
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=grace_s)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, children first (Linux ``/proc``; none elsewhere): what a process
+    started in its own group or session leaves out of ``killpg``."""
+    from pathlib import Path
+
+    out, todo = [], [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            out += children
+            todo += children
+    return out
 
 
 def track(proc: subprocess.Popen[Any]) -> subprocess.Popen[Any]:

@@ -20,6 +20,9 @@ each rank with its share of the threads and sandbox workers; the launched proces
 takes part in gathering a sharded model (ZeRO-3, FSDP: :mod:`vpo.distributed_save`) and rank 0 writes
 the outputs. The model is loaded with the run's ``model_init_kwargs`` (:mod:`vpo.pipeline.engine.policy`),
 recorded in ``metrics.json`` (``model_init``).
+Past one node (:mod:`vpo.pipeline.engine.nodes`) each node's stage launches its share and node 0
+publishes; ``storage.checkpoints`` mirrors checkpoints (:mod:`vpo.pipeline.engine.mirror`);
+``execution.vllm_gpus`` runs the generation server around the training (:mod:`vpo.pipeline.engine.vllm_server`).
 """
 
 from __future__ import annotations
@@ -49,9 +52,13 @@ from vpo.pipeline.engine.context import StageContext
 from vpo.pipeline.engine.errors import StageError
 from vpo.pipeline.engine.execution import rank_share
 from vpo.pipeline.engine.inputs import load_rows, stage_command
+from vpo.pipeline.engine.mirror import MIRROR_ENV, mirror_callback, mirror_url, restore_for
+from vpo.pipeline.engine.nodes import launch as launch_node
+from vpo.pipeline.engine.nodes import node_role, resume_text
 from vpo.pipeline.engine.policy import load_train_model
 from vpo.pipeline.engine.processes import CHILD_ENV
 from vpo.pipeline.engine.state import read_state, why_stale, write_state
+from vpo.pipeline.engine.vllm_server import for_run as vllm_server_for
 from vpo.pipeline.memory import check_plan
 from vpo.rewards import VectorReward
 
@@ -370,6 +377,7 @@ def train(ctx: StageContext) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     if os.environ.get(CHILD_ENV) is None:
         _fresh_checkpoints(ctx, trainer_dir)
+        restore_for(ctx)  # storage.checkpoints: the newest mirrored checkpoint when this machine has none
     resume = latest_checkpoint(trainer_dir)
     if resume is not None and (checkpoint_step(resume) or 0) >= run.arm.max_steps:
         return _publish_checkpoint(ctx, resume)
@@ -390,6 +398,8 @@ def train(ctx: StageContext) -> dict[str, Any]:
 
         callbacks.append(DVCLiveCallback(live=Live(dir=str(layout.arm_live(rid)), save_dvc_exp=False, dvcyaml=None,
                                                    report=None)))
+    if (mirror := mirror_url(ctx)) is not None:
+        callbacks.append(mirror_callback(mirror, cfg.storage.checkpoints_keep))
     dataset = _dataset(ctx, load_rows(cfg, "train", layout), tok)
     _check_prompt_lengths(ctx, tok, dataset)
     try:
@@ -454,9 +464,14 @@ def _launch(ctx: StageContext, argv: Sequence[str]) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config_file,
            "-m", "vpo.pipeline.cli", *argv]
     share = rank_share(cfg, accelerate_processes(cfg) or 1)
+    env = {**os.environ, CHILD_ENV: "1", **share.env(), **({MIRROR_ENV: url} if (url := mirror_url(ctx)) else {})}
     log(f"{ctx.arm_run.rid}: launching `accelerate launch --config_file {cfg.trainer.accelerate_config}`; "
         f"{share.describe()}")
-    proc = subprocess.run(cmd, env={**os.environ, CHILD_ENV: "1", **share.env()}, check=False)
+    if (role := node_role(cfg)) is not None:  # one node of a multi-node run: node 0 publishes
+        logs = ctx.layout.logs / "ranks" / f"{ctx.arm_run.rid}-node{role.rank}-{time.strftime('%Y%m%d-%H%M%S')}"
+        launch_node(cmd, env, role, rid=ctx.arm_run.rid, log_dir=logs, resume=lambda: resume_text(ctx.cfg, ctx.arm_run, mirror_url(ctx)))
+        return json.loads(ctx.layout.arm_metrics(ctx.arm_run.rid).read_text()) if role.is_main else {}
+    proc = subprocess.run(cmd, env=env, check=False)
     if proc.returncode != 0:
         raise StageError(f"{ctx.arm_run.rid}: `accelerate launch` exited with {proc.returncode} (see its output "
                          f"above; trainer.accelerate_config = {cfg.trainer.accelerate_config})")
@@ -475,7 +490,12 @@ def run(ctx: StageContext) -> dict[str, Any]:
     if os.environ.get(CHILD_ENV) is None:
         log(f"{ctx.arm_run.rid}: batch {arm_batch(cfg, ctx.arm_run.arm).describe()}")
     if cfg.trainer.accelerate_config and os.environ.get(CHILD_ENV) is None:
-        _fresh_checkpoints(ctx, layout.arm_trainer(ctx.arm_run.rid))
-        return _launch(ctx, ["stage", "train", *cfg.cli_args(), "--arm", ctx.arm_run.arm.name,
-                             "--seed", str(ctx.arm_run.seed)])
-    return train(ctx)
+        role = node_role(cfg)
+        if role is None or role.is_main:  # the other nodes of a run never delete node 0's checkpoints
+            _fresh_checkpoints(ctx, layout.arm_trainer(ctx.arm_run.rid))
+        restore_for(ctx)  # every node: each rank loads the checkpoint it resumes from
+        with vllm_server_for(ctx, main_node=role is None or role.is_main):  # execution.vllm_gpus: its server
+            return _launch(ctx, ["stage", "train", *cfg.cli_args(), "--arm", ctx.arm_run.arm.name,
+                                 "--seed", str(ctx.arm_run.seed)])
+    with vllm_server_for(ctx):
+        return train(ctx)
