@@ -1,0 +1,97 @@
+"""benchmarks/real_model.py's bookkeeping, without a model: a results folder belongs to one config
+digest, a result counts once its result.json (written last) names that digest, the missing runs are
+what is left to do, and the report tabulates whatever is there (mean ± std over seeds) and says what is
+missing."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from vpo.pipeline.config import load_pipeline
+
+REPO = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("real_model", REPO / "benchmarks" / "real_model.py")
+assert _spec is not None and _spec.loader is not None
+real_model = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(real_model)
+
+
+@pytest.fixture(scope="module")
+def cfg() -> object:
+    return load_pipeline("chat-smollm2", REPO / "pipelines.yaml")
+
+
+def _eval(best: float, m: int = 1) -> dict[str, object]:
+    ks = ["1", "3", "6", "12"]
+    return {"m": m, "n_chains": 12 // m, "n_problems": 50, "k": [1, 3, 6, 12], "pool": "rollouts",
+            "best_at_k": {k: best + 0.01 * i for i, k in enumerate(ks)},
+            "pass_at_k": {k: 0.1 * i for i, k in enumerate(ks)},
+            "expected_weighted_best_at_k": {k: best + 0.02 * i for i, k in enumerate(ks)},
+            "first_answer_mean": best, "parse_rate": 0.9, "reward_diversity": 0.5,
+            "distinct_vectors_per_problem": 3.0}
+
+
+def _result(folder: Path, name: str, digest: str, best: float, curve: bool = True) -> None:
+    out = folder / name
+    out.mkdir(parents=True)
+    (out / "eval.json").write_text(json.dumps(_eval(best)))
+    if curve:
+        (out / "curve.json").write_text(json.dumps([{"step": s, "reward": 0.1 * s, "vpo/frac_unparsed": 0.1,
+                                                     "loss": 0.01} for s in range(1, 6)]))
+    (out / "result.json").write_text(json.dumps({"name": name, "digest": digest}))
+
+
+def test_a_folder_holds_one_configs_results(tmp_path: Path, cfg: object) -> None:
+    record = real_model.config_record(cfg)
+    assert record["runs"] == ["grpo-s0", "grpo-s1", "vpo-s0", "vpo-s1", "max_at_k-s0", "max_at_k-s1"]
+    assert "execution" not in record["settings"] and "storage" not in record["settings"]
+    real_model.claim_folder(tmp_path, record)
+    real_model.claim_folder(tmp_path, record)  # the same settings again: fine
+    other = real_model.config_record(load_pipeline("chat-smollm2", REPO / "pipelines.yaml",
+                                                   overrides={"trainer.max_steps": 7}))
+    assert other["digest"] != record["digest"]
+    with pytest.raises(SystemExit, match=r"other settings .*differing: trainer.max_steps"):
+        real_model.claim_folder(tmp_path, other)
+    # where and how runs execute is not what they compute: same digest
+    moved = load_pipeline("chat-smollm2", REPO / "pipelines.yaml", overrides={"execution.max_parallel": 1})
+    assert real_model.config_record(moved)["digest"] == record["digest"]
+
+
+def test_a_result_counts_once_finished_with_this_digest(tmp_path: Path) -> None:
+    _result(tmp_path, "grpo-s0", "abc", 0.5)
+    assert real_model.finished(tmp_path, "grpo-s0", "abc")
+    assert not real_model.finished(tmp_path, "grpo-s0", "other")  # another config's
+    (tmp_path / "vpo-s0").mkdir()
+    (tmp_path / "vpo-s0" / "eval.json").write_text("{}")  # interrupted before result.json
+    assert not real_model.finished(tmp_path, "vpo-s0", "abc")
+
+
+def test_the_report_tabulates_what_is_there_and_names_what_is_missing(tmp_path: Path, cfg: object) -> None:
+    record = real_model.config_record(cfg)
+    real_model.claim_folder(tmp_path, record)
+    digest = record["digest"]
+    _result(tmp_path, "base-m1", digest, 0.40, curve=False)
+    _result(tmp_path, "grpo-s0", digest, 0.50)
+    _result(tmp_path, "grpo-s1", digest, 0.60)
+    _result(tmp_path, "vpo-s0", "stale", 0.90)  # another config's result: not counted
+    text = real_model.report(SimpleNamespace(results=str(tmp_path)))
+    row = next(line for line in text.splitlines() if line.startswith("| grpo |"))
+    assert "| 2 |" in row and "0.550 ± 0.050" in row  # best@1 over the two seeds
+    assert "| base-m1 |" in text and "| vpo |" not in text
+    assert "missing: vpo-s0, vpo-s1, max_at_k-s0, max_at_k-s1" in text
+    train = next(line for line in text.splitlines() if line.startswith("| grpo | 2 | 5 |"))
+    assert "0.300 ± 0.000 | 0.300 ± 0.000 | 0.900 ± 0.000" in train  # reward over the first and last 10 steps, parsed
+    assert (tmp_path / "best_at_k.png").stat().st_size > 0 and (tmp_path / "learning_curves.png").stat().st_size > 0
+    assert (tmp_path / "table.md").read_text() == text
+
+
+def test_vectors_round_trip_through_json() -> None:
+    vectors = np.array([[[[1.0, np.nan], [np.nan, np.nan]]]])
+    back = real_model._vectors_array(json.loads(json.dumps(real_model._vectors_json(vectors))))
+    assert np.array_equal(np.isnan(back), np.isnan(vectors)) and back[0, 0, 0, 0] == 1.0
