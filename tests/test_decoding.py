@@ -3,22 +3,23 @@ tokens from the same distribution (within sampling error), the model left as it 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 from scipy import stats
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from vpo.decoding import decode, inverse_cdf_sample, merged_lora
+from vpo.pipeline.execution import torch_threads
 
 V, EOS, PAD = 41, 1, 0
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread() -> Iterator[None]:
+    with torch_threads(1):  # a small model gains nothing from more, and shared cores thrash
+        yield
 
 
 def _model(lora: bool = True) -> torch.nn.Module:
