@@ -168,12 +168,14 @@ def _vpo(cfg: Any, *argv: str, threads: int) -> None:
 def job(cfg: Any, folder: Path, name: str, threads: int) -> None:
     """Compute and write one result: ``base-m<m>`` (evaluation) or an arm run (train, evaluate, search)."""
     import torch
+    from transformers.utils import logging as hf_logging
 
     from vpo.pipeline.context import build_task
     from vpo.pipeline.layout import RunLayout
     from vpo.pipeline.stages.evaluate import eval_rows, evaluate_one, policies
 
     torch.set_num_threads(threads)
+    hf_logging.disable_progress_bar()  # weight-loading bars of every policy load
     record = json.loads((folder / CONFIG_FILE).read_text())
     layout, task = RunLayout.of(cfg), build_task(cfg)
     out = folder / name
