@@ -33,11 +33,13 @@ run: install
 quick: install
 	$(BIN)/vpo run --quick $(ARGS)
 
+# two workers; each shared setup (the session's quick run, the quick flow on its Prefect server) is
+# built once, by the worker that runs every test using it (tests/conftest.py); the 15 slowest listed
 test: install
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=15 $(ARGS)
 
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow and not integration" $(ARGS)
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not slow and not integration" $(ARGS)
 
 lint: install
 	$(BIN)/ruff check vpo flows tests benchmarks

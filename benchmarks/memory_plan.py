@@ -1,4 +1,4 @@
-"""How close the memory plan (vpo.memory_plan) comes to what a real training step uses on this CPU.
+"""How close the memory plan (vpo.memory) comes to what a real training step uses on this CPU.
 
 Each case runs ``benchmarks/gpu_step.py`` (TRL engine: :class:`vpo.trainer.VPOTrainer`, transformers
 generation, float32) in a fresh subprocess per arm for a few optimizer steps with fixed prompt and
@@ -6,7 +6,7 @@ completion lengths, and compares the plan's peak with the measured peak RSS (``r
 the process's RSS after its imports. Cases:
 
 * ``runtime``: a model whose tensors are negligible (1 layer, hidden 32, vocabulary 64): what the
-  trainer itself adds on CPU; it calibrates :data:`vpo.memory_plan.CPU_RUNTIME` and is not a check;
+  trainer itself adds on CPU; it calibrates :data:`vpo.memory.CPU_RUNTIME` and is not a check;
 * ``route``: the route pipeline's tiny char model (vpo.tiny.DEFAULT_SIZE over the route task's
   characters) at the route pipeline's batch (8 prompts x 8 rollouts, one micro-step);
 * ``smollm2``: SmolLM2-135M-Instruct's architecture (shipped config.json, random weights), full fine-tune;
@@ -14,7 +14,7 @@ the process's RSS after its imports. Cases:
 * ``smollm2-lora``: the same with LoRA r=16 on every projection;
 * ``smollm2-10l``, ``smollm2-10l-lora``: the same architecture with 10 layers (full, LoRA).
 
-The ``runtime`` runs set :data:`~vpo.memory_plan.CPU_RUNTIME`; every other run checks the plan.
+The ``runtime`` runs set :data:`~vpo.memory.CPU_RUNTIME`; every other run checks the plan.
 
     OMP_NUM_THREADS=1 python benchmarks/memory_plan.py --json runs/bench-memory-plan.json
 

@@ -15,7 +15,7 @@ linked in, so both modes use the same installation and neither pays for `make in
 
 One after the other, never at the same time; run it on a quiet machine (other jobs on the cores
 make both numbers meaningless). Each training run uses the same number of torch threads in both
-modes, and so does each arm's search (vpo/pipeline/execution.py), so their results must be identical:
+modes, and so does each arm's search (vpo/pipeline/engine/execution.py), so their results must be identical:
 the script compares every arm's weights (sha256), the evaluation metrics of every policy (without
 their wall times) and the search results, and prints both evaluation tables, each stage's time, the
 two wall times and their ratio (the target is at most 0.65). ``all_cores`` runs its stages with
@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vpo.pipeline.execution import Machine
+from vpo.pipeline.engine.execution import Machine
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = {"sequential": ["--set", "execution.max_parallel=1"], "default": []}

@@ -60,7 +60,7 @@ def load(args: argparse.Namespace) -> Any:
 
 def config_record(cfg: Any) -> dict[str, Any]:
     """What the results depend on: every setting but storage and execution, and its digest."""
-    from vpo.pipeline.config import settings_digest
+    from vpo.pipeline.dvc.params import settings_digest
 
     settings = {k: v for k, v in cfg.settings().items() if k not in UNRESULTED}
     return {"pipeline": cfg.name, "variant": cfg.variant, "digest": settings_digest({"pipeline": cfg.name,
@@ -70,7 +70,7 @@ def config_record(cfg: Any) -> dict[str, Any]:
 
 
 def _runs(cfg: Any) -> list[Any]:
-    from vpo.pipeline.layout import arm_runs
+    from vpo.pipeline.config.layout import arm_runs
 
     return arm_runs(cfg)
 
@@ -170,8 +170,8 @@ def job(cfg: Any, folder: Path, name: str, threads: int) -> None:
     import torch
     from transformers.utils import logging as hf_logging
 
-    from vpo.pipeline.context import build_task
-    from vpo.pipeline.layout import RunLayout
+    from vpo.pipeline.config.layout import RunLayout
+    from vpo.pipeline.engine.context import build_task
     from vpo.pipeline.stages.evaluate import eval_rows, evaluate_one, policies
 
     torch.set_num_threads(threads)
@@ -294,7 +294,7 @@ def _run_jobs(args: argparse.Namespace, names: list[str], slots: int, threads: i
 
 def run(args: argparse.Namespace) -> None:
     """Prepare the base, then every missing result."""
-    from vpo.pipeline.execution import Machine
+    from vpo.pipeline.engine.execution import Machine
 
     cfg = load(args)
     record = config_record(cfg)

@@ -20,9 +20,9 @@ import time
 
 from vpo.pipeline.cli import parse_overrides
 from vpo.pipeline.config import load_pipeline
-from vpo.pipeline.graph import STAGES
-from vpo.pipeline.layout import RunLayout
+from vpo.pipeline.config.layout import RunLayout
 from vpo.pipeline.runner import run_all
+from vpo.pipeline.steps import STAGES
 
 
 def main() -> None:

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from vpo.pipeline.execution import Machine
+from vpo.pipeline.engine.execution import Machine
 
 
 def _worker(rank: int, world: int, shards: int, steps: int, init: str, rendezvous: str, out: Any) -> None:
@@ -43,7 +43,7 @@ def _worker(rank: int, world: int, shards: int, steps: int, init: str, rendezvou
 
     from vpo.chat import model_prompt
     from vpo.pipeline.config import load_pipeline
-    from vpo.pipeline.context import build_task
+    from vpo.pipeline.engine.context import build_task
     from vpo.sft import make_batch
 
     if world > 1:
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--processes", type=int, default=cores, help="processes of the data-parallel way")
     args = ap.parse_args(argv)
     from vpo.pipeline.config import load_pipeline
-    from vpo.pipeline.context import build_task
+    from vpo.pipeline.engine.context import build_task
     from vpo.tiny import build_tiny_model
 
     cfg = load_pipeline("route")

@@ -29,8 +29,8 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run as runtime_flow_run
 
 from flows.dvclock import merge_entries, read_entries
+from flows.flow_run import flow_run
 from flows.locks import train_limit
-from flows.plan import make_plan
 from flows.tasks import (
     PermanentStageFailure,
     arm_result_key,
@@ -41,9 +41,10 @@ from flows.tasks import (
     run_stage,
     vpo_cmd,
 )
-from vpo.pipeline.layout import RunLayout
-from vpo.pipeline.names import run_id, variant_name
-from vpo.pipeline.storage import redact
+from vpo.pipeline.config.layout import RunLayout
+from vpo.pipeline.config.names import run_id, variant_name
+from vpo.pipeline.engine.processes import children_stop_first
+from vpo.pipeline.engine.storage import redact
 
 __all__ = ["train_arm"]
 
@@ -70,43 +71,49 @@ def train_arm(
 ) -> dict[str, Any]:
     """Train run ``<arm>-s<seed>`` of a pipeline in this checkout from the inputs the caller recorded
     (``inputs``: their dvc.lock records), push its output and report its dvc.lock record."""
+    with children_stop_first():  # a signal stops the stage process before Prefect's engine sees it
+        return _train_arm(pipeline, quick, arm, seed, inputs, config, settings_digest)
+
+
+def _train_arm(pipeline: str, quick: bool, arm: str, seed: int, inputs: dict[str, Any], config: str,
+               settings_digest: str) -> dict[str, Any]:
     logger = get_run_logger()
     started = _now()
-    plan = make_plan(pipeline, quick, config)
+    run = flow_run(pipeline, quick, config)
     rid = run_id(arm, seed)
-    step = next((s for s in plan.steps if s.run_id == rid), None)
+    step = next((s for s in run.steps if s.run_id == rid), None)
     if step is None:
-        raise PermanentStageFailure(f"pipeline {plan.variant} in {plan.repo} has no enabled run {rid}")
-    if not (plan.use_dvc and plan.remote_url):
-        raise PermanentStageFailure(f"{plan.repo}: a work-pool training run needs the repository's DVC stages and "
+        raise PermanentStageFailure(f"pipeline {run.variant} in {run.repo} has no enabled run {rid}")
+    if not (run.use_dvc and run.remote_url):
+        raise PermanentStageFailure(f"{run.repo}: a work-pool training run needs the repository's DVC stages and "
                                     "storage.dvc_remote (outputs travel through the DVC remote)")
-    if settings_digest and plan.settings_digest != settings_digest:
-        raise PermanentStageFailure(f"the settings of {plan.variant} in this worker's checkout ({plan.repo}) are "
+    if settings_digest and run.settings_digest != settings_digest:
+        raise PermanentStageFailure(f"the settings of {run.variant} in this worker's checkout ({run.repo}) are "
                                     "not the caller's: deploy the same revision of pipelines.yaml to every worker")
-    logger.info("train %s of %s in %s (inputs from %s)", rid, plan.variant, plan.repo, redact(plan.remote_url))
-    merge_entries(plan.repo, inputs)
-    dvc_pull(str(plan.repo), plan.remote_url, plan.remote_name, sorted(inputs), force=True)
-    layout = RunLayout(plan.run_dir, plan.variant)
-    spec = open_progress(plan.variant, rid, layout.arm_progress(rid))
+    logger.info("train %s of %s in %s (inputs from %s)", rid, run.variant, run.repo, redact(run.remote_url))
+    merge_entries(run.repo, inputs)
+    dvc_pull(str(run.repo), run.remote_url, run.remote_name, sorted(inputs), force=True)
+    layout = RunLayout(run.run_dir, run.variant)
+    spec = open_progress(run.variant, rid, layout.arm_progress(rid))
     result = run_stage.with_options(task_run_name=step.label)(
-        step.label, vpo_cmd(*step.variant_argv), str(plan.repo), False, plan.variant, spec, None,
-        train_limit(plan.variant, rid))
-    dvc_commit(str(plan.repo), [step.dvc_stage])
-    dvc_push(str(plan.repo), plan.remote_url, plan.remote_name, [step.dvc_stage])
+        step.label, vpo_cmd(*step.variant_argv), str(run.repo), False, run.variant, spec, None,
+        train_limit(run.variant, rid))
+    dvc_commit(str(run.repo), [step.dvc_stage])
+    dvc_push(str(run.repo), run.remote_url, run.remote_name, [step.dvc_stage])
     report = {
         **result,
         "dvc_stage": step.dvc_stage,
-        "lock": read_entries(plan.repo, [step.dvc_stage])[step.dvc_stage],
+        "lock": read_entries(run.repo, [step.dvc_stage])[step.dvc_stage],
         "worker": {"host": socket.gethostname(), "pid": os.getpid(), "worker_pid": os.getppid(),
-                   "checkout": str(plan.repo)},
+                   "checkout": str(run.repo)},
         "started": started,
         "ended": _now(),
     }
     create_markdown_artifact(
-        key=arm_result_key(plan.variant, rid),
+        key=arm_result_key(run.variant, rid),
         markdown=redact(f"# {step.label} trained on {report['worker']['host']}\n\n"
                         f"{result['outcome']} in {result['seconds']} s, output pushed to the DVC remote.\n\n"
                         f"```json\n{json.dumps(report, indent=1, default=str)}\n```\n"),
-        description=f"{plan.variant}: {step.label}: dvc.lock record and worker",
+        description=f"{run.variant}: {step.label}: dvc.lock record and worker",
     )
     return report

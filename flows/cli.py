@@ -52,29 +52,29 @@ def register(sub: Any, add_common_options: Callable[[argparse.ArgumentParser], N
 
 def _stop_temporary_servers() -> None:
     """Stop the temporary API server Prefect starts in this process when no PREFECT_API_URL is set (it
-    would otherwise outlive a signal: atexit handlers do not run on SIGTERM's default action)."""
-    if "prefect" not in sys.modules:
-        return
-    try:
-        from prefect.server.api.server import SubprocessASGIServer
-    except ImportError:
-        return
-    servers = list(getattr(SubprocessASGIServer, "_instances", {}).values())
+    would otherwise outlive a signal: atexit handlers do not run on SIGTERM's default action). Its
+    module is only looked at when Prefect imported it: importing the server app takes seconds."""
+    from vpo.pipeline.engine.processes import stopping
+
+    module = sys.modules.get("prefect.server.api.server")
+    instances = getattr(getattr(module, "SubprocessASGIServer", None), "_instances", {})
+    servers = [s for s in list(instances.values()) if getattr(s, "server_process", None) is not None]
     if servers:
         from prefect.logging.handlers import APILogWorker
 
         with contextlib.suppress(Exception):  # what the flow logged last reaches the server before it stops
-            APILogWorker.drain_all(timeout=5)
+            APILogWorker.drain_all(timeout=2 if stopping() else 5)
     for server in servers:
         with contextlib.suppress(Exception):  # best effort while stopping
             server.stop()
 
 
-def _guarded(args: argparse.Namespace, body: Callable[[], int], stopped: str) -> int:
-    """Run ``body`` with SIGTERM/SIGHUP/Ctrl-C stopping every process it started (``stopped`` says what
-    that was): one line, exit 128 + signal, no traceback."""
+def _guarded(args: argparse.Namespace, body: Callable[[], int], stopped: Callable[[], str]) -> int:
+    """Run ``body`` with SIGTERM/SIGHUP/Ctrl-C stopping every process it started (``stopped()`` says
+    what that was, and what was left running because this command did not start it): one line, exit
+    128 + signal, no traceback."""
     from vpo.pipeline.cli import resume_hint
-    from vpo.pipeline.processes import describe, exit_code, stop_on_signals
+    from vpo.pipeline.engine.processes import describe, exit_code, stop_on_signals
 
     try:
         with stop_on_signals():
@@ -82,7 +82,7 @@ def _guarded(args: argparse.Namespace, body: Callable[[], int], stopped: str) ->
     except KeyboardInterrupt as exc:
         _stop_temporary_servers()
         hint = f"; {resume_hint(None)}" if args.cmd != "serve" else ""
-        print(f"[vpo] {describe(exc)}; {stopped}{hint}", file=sys.stderr, flush=True)
+        print(f"[vpo] {describe(exc)}; {stopped()}{hint}", file=sys.stderr, flush=True)
         return exit_code(exc)
     finally:
         _stop_temporary_servers()
@@ -103,8 +103,12 @@ def _flow(args: argparse.Namespace) -> int:
                                arms_on=args.arms_on, return_state=True)
         return 1 if state.is_failed() else 0
 
-    return _guarded(args, body, "the running stages (and Prefect's temporary server, if one was started) were "
-                                "stopped")
+    def stopped() -> str:
+        api = os.environ.get("PREFECT_API_URL")
+        return (f"the running stages were stopped (the Prefect server at {api} is not this command's: left running)"
+                if api else "the running stages and Prefect's temporary server were stopped")
+
+    return _guarded(args, body, stopped)
 
 
 def _ui(args: argparse.Namespace) -> int:
@@ -112,17 +116,24 @@ def _ui(args: argparse.Namespace) -> int:
 
     cfg = load_config(args)
     overrides = parse_overrides(args.set)
+    servers: list[Any] = []
 
     def body() -> int:
-        from flows.server import run_with_local_server
+        from flows.server import LocalServer, prefect_home, run_with_local_server
         from flows.tasks import console_without_stage_tracebacks
 
+        servers.append(LocalServer(prefect_home(args.config), args.port))
         with console_without_stage_tracebacks():
             run_with_local_server(pipeline=cfg.name, quick=cfg.quick, config=args.config, port=args.port,
-                                  keep=args.keep, overrides=overrides)
+                                  keep=args.keep, overrides=overrides, server=servers[0])
         return 0
 
-    return _guarded(args, body, "the local Prefect server and the running stage were stopped")
+    def stopped() -> str:
+        if servers and servers[0].started_here:
+            return "the local Prefect server and the running stage were stopped"
+        return "the running stage was stopped" + (f"; {servers[0].fate()}" if servers else "")
+
+    return _guarded(args, body, stopped)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -131,6 +142,7 @@ def _serve(args: argparse.Namespace) -> int:
     cfg = load_config(args)
     overrides = parse_overrides(args.set)
     api = os.environ.get("PREFECT_API_URL")
+    servers: list[Any] = []
 
     def body() -> int:
         from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
@@ -146,8 +158,11 @@ def _serve(args: argparse.Namespace) -> int:
                 "later ones queued)")
         if api:
             if not healthy(api):
+                from vpo.pipeline.engine.console import command
+
                 print(f"error: PREFECT_API_URL={api} does not answer (GET {api}/health failed); start that "
-                      "server, or unset PREFECT_API_URL and `vpo serve` starts a local one", file=sys.stderr)
+                      f"server, or unset PREFECT_API_URL and `{command(*sys.argv[1:])}` starts a local one",
+                      file=sys.stderr)
                 return 2
             print(f"[vpo] serving {what} against {api}; scheduled runs execute in this process; Ctrl-C stops "
                   "(the schedule is paused until it is served again)", flush=True)
@@ -155,14 +170,22 @@ def _serve(args: argparse.Namespace) -> int:
             return 0
         home = prefect_home(args.config)
         server = LocalServer(home, args.port)
+        servers.append(server)
         server.start()
         try:
+            both = "Ctrl-C stops both" if server.started_here else "Ctrl-C stops serving (not that server)"
             print(f"[vpo] serving {what} against a local Prefect server, UI at {server.url} (PREFECT_HOME={home}); "
-                  "scheduled runs execute in this process; Ctrl-C stops both", flush=True)
+                  f"scheduled runs execute in this process; {both}", flush=True)
             with temporary_settings(updates={PREFECT_API_URL: server.api_url, PREFECT_HOME: str(home)}):
                 serve()
         finally:
             server.stop()
         return 0
 
-    return _guarded(args, body, "the served deployment's runs and the local Prefect server were stopped")
+    def stopped() -> str:
+        runs = "the served deployment's runs were cancelled and its schedule paused"
+        if servers:
+            return f"{runs}; {servers[0].fate()}"
+        return f"{runs}; the Prefect server at {api} is not this command's: left running" if api else runs
+
+    return _guarded(args, body, stopped)

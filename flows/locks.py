@@ -26,6 +26,8 @@ from prefect.concurrency._asyncio import ConcurrencySlotAcquisitionError  # what
 from prefect.concurrency.sync import concurrency
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
+from vpo.pipeline.engine.console import tool
+
 __all__ = ["LEASE_S", "Busy", "exclusive", "limit_name", "registry_limit", "train_limit"]
 
 LEASE_S = 60.0
@@ -79,7 +81,7 @@ def exclusive(name: str, what: str, *, wait_s: float | None = 0.0) -> Iterator[N
         status = getattr(getattr(exc.__cause__, "response", None), "status_code", None)
         if status == 423:
             raise Busy(f"{what} is already running elsewhere (Prefect global concurrency limit {name!r} has "
-                       f"no free slot; `prefect gcl inspect {name}` shows it; a holder that died frees it "
+                       f"no free slot; `{tool('prefect', 'gcl', 'inspect', name)}` shows it; a holder that died frees it "
                        f"within {LEASE_S:.0f} s)") from None
         raise
     except TimeoutError:

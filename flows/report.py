@@ -14,9 +14,10 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from flows.plan import Plan, artifact_slug
-from vpo.pipeline.layout import RunLayout
-from vpo.pipeline.storage import redact
+from flows.flow_run import FlowRun, artifact_slug
+from vpo.pipeline.config.layout import RunLayout
+from vpo.pipeline.engine.console import mean_std
+from vpo.pipeline.engine.storage import redact
 
 __all__ = ["evaluation_md", "metrics_rows", "publish", "publish_failure", "registry_rows"]
 
@@ -109,17 +110,19 @@ def evaluation_md(metrics: dict[str, Any]) -> str:
     ks = [k for k in map(str, metrics.get("k", [])) if all(k in (e.get("best_at_k") or {}) for e in arms.values())]
 
     def curve(key: str) -> list[dict[str, Any]]:
-        return [{"arm": arm, **{f"k={k}": f"{e[key][k]['mean']:.3f} ± {e[key][k]['std']:.3f}" for k in ks}}
+        return [{"arm": arm, **{f"k={k}": mean_std(e[key][k], len(e.get("runs", []))) for k in ks}}
                 for arm, e in arms.items()]
 
+    spread = ("mean ± std over seeds" if any(len(e.get("runs", [])) > 1 for e in arms.values())
+              else "one seed per arm: no spread")
     k = ks[-1] if ks else None
     other = [{"arm": arm,
               f"pass@{k}": f"{e['pass_at_k'][k]['mean']:.3f}" if k and k in e.get("pass_at_k", {}) else "",
-              "diversity": f"{e['reward_diversity']['mean']:.3f} ± {e['reward_diversity']['std']:.3f}",
+              "diversity": mean_std(e["reward_diversity"], len(e.get("runs", []))),
               "first answer": f"{e['first_answer_mean']['mean']:.3f}",
               "parse rate": f"{e['parse_rate']['mean']:.3f}" if "parse_rate" in e else "",
               "collapsed": f"{e.get('collapsed_runs', 0)}/{len(e.get('runs', []))}"} for arm, e in arms.items()]
-    md = ["**best@k** (mean scalar reward of the best of k candidates; mean ± std over seeds)", "",
+    md = [f"**best@k** (mean scalar reward of the best of k candidates; {spread})", "",
           _table_md(curve("best_at_k")), "**E_w[best@k]** (w ~ Dirichlet)", "",
           _table_md(curve("expected_weighted_best_at_k")), "**pass@k, diversity, collapse**", "", _table_md(other)]
     oracle = metrics.get("oracle") or {}
@@ -130,25 +133,25 @@ def evaluation_md(metrics: dict[str, Any]) -> str:
     return "\n".join(md)
 
 
-def _header(plan: Plan, lock_sha: str | None) -> list[str]:
+def _header(run: FlowRun, lock_sha: str | None) -> list[str]:
     return [
-        f"- pipeline `{plan.pipeline}`{' (quick preset)' if plan.quick else ''}, config `{plan.config.name}`",
-        f"- git revision `{_git_rev(plan.repo) or 'n/a'}`" + (f", dvc.lock sha256 `{lock_sha[:16]}`" if lock_sha else ""),
-        f"- mode: {plan.mode_note}",
+        f"- pipeline `{run.pipeline}`{' (quick preset)' if run.quick else ''}, config `{run.config.name}`",
+        f"- git revision `{_git_rev(run.repo) or 'n/a'}`" + (f", dvc.lock sha256 `{lock_sha[:16]}`" if lock_sha else ""),
+        f"- mode: {run.mode_note}",
     ]
 
 
-def publish_failure(plan: Plan, completed: list[dict[str, Any]], failed: str, error: BaseException) -> None:
+def publish_failure(run: FlowRun, completed: list[dict[str, Any]], failed: str, error: BaseException) -> None:
     """The report of a failed run (same artifact key as a successful one): which step failed, its error
     line and the end of its output, what completed before it, what did not run, how to go on."""
-    slug = artifact_slug(plan.variant)
+    slug = artifact_slug(run.variant)
     text = redact(str(error)).strip() or error.__class__.__name__
     first, *rest = text.splitlines()
     errors = [line.strip() for line in rest if line.strip().lower().startswith(("error:", "error "))]
-    labels = [s.label for s in plan.steps] + ["dvc-push", "register", "publish"]
+    labels = [s.label for s in run.steps] + ["dvc-push", "register", "publish"]
     done = {r.get("stage") for r in completed}
     not_run = [label for label in labels if label not in done and label != failed]
-    md = [f"# Retrain FAILED: `{plan.variant}` at `{failed}`", "", *_header(plan, None), "",
+    md = [f"# Retrain FAILED: `{run.variant}` at `{failed}`", "", *_header(run, None), "",
           f"**Error** ({error.__class__.__name__}): {first}", ""]
     if errors:  # the stage's own one-line error, as wrapping text (a code block is cut off on the right)
         md += [f"> {errors[-1]}", ""]
@@ -160,40 +163,40 @@ def publish_failure(plan: Plan, completed: list[dict[str, Any]], failed: str, er
            ("Fix the cause and run the flow again: completed stages are up to date and are not redone; a "
             "training run resumes from its last checkpoint.")]
     create_markdown_artifact(key=f"{slug}-report", markdown="\n".join(md),
-                             description=f"{plan.variant}: FAILED at {failed}")
+                             description=f"{run.variant}: FAILED at {failed}")
 
 
 @task(name="publish", cache_policy=NO_CACHE)
 def publish(
-    plan: Plan,
+    run: FlowRun,
     stages: list[dict[str, Any]],
     pulled: dict[str, Any] | None,
     pushed: dict[str, Any] | None,
     registry: dict[str, Any],
 ) -> dict[str, Any]:
     """Markdown report (best@k PNG inline, eval table, stages, lineage) and metrics/registry tables."""
-    slug = artifact_slug(plan.variant)
-    layout = RunLayout(plan.run_dir, plan.variant)
+    slug = artifact_slug(run.variant)
+    layout = RunLayout(run.run_dir, run.variant)
     metrics = json.loads(layout.eval_metrics.read_text(encoding="utf-8"))
     m_rows, r_rows = metrics_rows(metrics), registry_rows(registry)
     create_table_artifact(
         key=f"{slug}-metrics",
         table=m_rows,
-        description=f"{plan.variant}: held-out evaluation per arm (mean over seeds; curves in the report)",
+        description=f"{run.variant}: held-out evaluation per arm (mean over seeds; curves in the report)",
     )
     create_table_artifact(
         key=f"{slug}-registry",
         table=r_rows,
-        description=f"{plan.variant}: registered checkpoints (path, content hash, git revision, dvc.lock)",
+        description=f"{run.variant}: registered checkpoints (path, content hash, git revision, dvc.lock)",
     )
     png = layout.eval_plot
-    lock_sha = _sha256(plan.repo / "dvc.lock") if plan.use_dvc else None
+    lock_sha = _sha256(run.repo / "dvc.lock") if run.use_dvc else None
     md = [
-        f"# Retrain report: `{plan.variant}`",
+        f"# Retrain report: `{run.variant}`",
         "",
-        *_header(plan, lock_sha),
+        *_header(run, lock_sha),
         f"- DVC remote: {pushed['remote'] + ' (pushed)' if pushed else 'none configured'}",
-        f"- registry: `{registry.get('registry', plan.registry_url)}` ({len(r_rows)} entries)",
+        f"- registry: `{registry.get('registry', run.registry_url)}` ({len(r_rows)} entries)",
         "",
         "## best@k per arm",
         "",
@@ -221,6 +224,6 @@ def publish(
     if pulled:
         md += [f"DVC pull from {pulled['remote']} took {pulled['seconds']} s."]
     create_markdown_artifact(
-        key=f"{slug}-report", markdown=redact("\n".join(md)), description=f"{plan.variant}: evaluation report"
+        key=f"{slug}-report", markdown=redact("\n".join(md)), description=f"{run.variant}: evaluation report"
     )
     return {"metrics": m_rows, "registry": r_rows, "stages": stages, "dvc_lock_sha256": lock_sha}

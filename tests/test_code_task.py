@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,10 @@ from vpo.sandbox import Job, Sandbox, SandboxConfig, TestCase, private_view_avai
 from vpo.tasks import get_task
 from vpo.tasks.code import EMBEDDED_PROBLEMS, CodeTask, CodeTestsReward, row_tests
 
-linux_only = pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="the sandbox needs Linux")
+
+def linux_only(test: Callable[..., None]) -> Callable[..., None]:
+    """A test that starts real sandboxes (Linux only)."""
+    return pytest.mark.sandbox(pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="the sandbox needs Linux")(test))
 
 
 # where no sandbox can hide files (no namespaces), scoring a task whose source must be hidden is
@@ -122,6 +126,24 @@ def test_reward_scores_tests_individually_and_batches_mixed_problems() -> None:
     ])
     np.testing.assert_array_equal(mats[0], [[1, 1, 0, np.nan], [0, 0, 1, np.nan]])
     np.testing.assert_array_equal(mats[1], [[1, 1, np.nan, np.nan], [1, 0, np.nan, np.nan]])
+
+
+@linux_only
+def test_closing_the_shared_pool_stops_it_and_a_later_reward_opens_a_fresh_one() -> None:
+    """Rewards of one configuration share one sandbox pool per process; `close_shared_sandboxes` (the
+    suite calls it after every test module, the process at exit) closes it, and scoring afterwards
+    opens a new pool that still judges."""
+    from vpo.tasks.code import close_shared_sandboxes
+
+    r = CodeTestsReward(max_tests=2)
+    row = {"id": "a", "entry_point": "", "tests": [TestCase.stdio("1", "2").to_dict()]}
+    np.testing.assert_array_equal(r.score(["print(int(input()) + 1)"], row), [[1, np.nan]])
+    first = r.sandbox
+    assert first is CodeTestsReward(max_tests=2).sandbox  # shared by configuration
+    close_shared_sandboxes()
+    assert first._closed
+    np.testing.assert_array_equal(r.score(["print(3)"], row), [[0, np.nan]])
+    assert r.sandbox is not first and not r.sandbox._closed
 
 
 @linux_only

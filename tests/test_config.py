@@ -389,7 +389,7 @@ def test_task_params_are_checked_by_the_tasks_own_signature(tmp_path: Path) -> N
 
 
 def test_task_value_errors_found_when_the_task_is_built_name_the_parameter_line(tmp_path: Path) -> None:
-    from vpo.pipeline.context import build_task
+    from vpo.pipeline.engine.context import build_task
 
     body = minimal(task={"name": "code", "params": {"source": "missing/problems.jsonl"}})
     cfg = load_pipeline("p", write(tmp_path, {"p": body}))  # types are fine: the file is checked on build
@@ -431,8 +431,8 @@ def test_cli_args_load_the_same_config(tmp_path: Path) -> None:
 
 
 def test_params_yaml_variant_loads_as_the_pipeline_and_goes_stale_with_it(tmp_path: Path) -> None:
-    from vpo.pipeline.config import load_variant
-    from vpo.pipeline.dvcgen import params_yaml_text
+    from vpo.pipeline.dvc.generate import params_yaml_text
+    from vpo.pipeline.dvc.params import load_variant
 
     path = write(tmp_path, {"p": minimal(quick={"trainer": {"max_steps": 2}})})
     params = tmp_path / "params.yaml"
@@ -566,8 +566,8 @@ def test_values_from_set_are_named_as_such_not_by_a_file_line(tmp_path: Path) ->
 
 def test_explicit_settings_are_small_and_round_trip_through_params(tmp_path: Path) -> None:
     """params.yaml holds what a variant sets (not TRL's defaults), arms apart from their runs."""
-    from vpo.pipeline.config import load_variant
-    from vpo.pipeline.dvcgen import params_yaml_text
+    from vpo.pipeline.dvc.generate import params_yaml_text
+    from vpo.pipeline.dvc.params import load_variant
 
     path = write(tmp_path, {"p": minimal(trainer={"top_p": 0.9}, quick={"trainer": {"max_steps": 2}})})
     params = tmp_path / "params.yaml"
@@ -682,7 +682,8 @@ def test_dvcs_own_rewrite_of_params_yaml_changes_one_line(tmp_path: Path, overri
 
     from dvc.utils.hydra import apply_overrides
 
-    from vpo.pipeline.config import load_variant, load_yaml
+    from vpo.pipeline.config import load_yaml
+    from vpo.pipeline.dvc.params import load_variant
 
     committed = (REPO / "params.yaml").read_text(encoding="utf-8")
     params = tmp_path / "params.yaml"

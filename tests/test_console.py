@@ -1,4 +1,4 @@
-"""The console (vpo.pipeline.console): what a person reads while a pipeline runs, and the log file that
+"""The console (vpo.pipeline.engine.console): what a person reads while a pipeline runs, and the log file that
 keeps the rest; Ctrl-C during `vpo run` is one line saying how to resume."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from vpo.pipeline import console
+from vpo.pipeline.engine import console
 
 ROOT = Path(__file__).resolve().parents[1]
 VPO = Path(sys.executable).with_name("vpo")
@@ -141,3 +141,31 @@ def test_printed_commands_run_without_an_activated_virtualenv(tmp_path: Path, mo
                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}, capture_output=True, text=True,
                          timeout=120, check=False)
     assert out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_line_printed_while_a_bar_is_drawn_starts_on_its_own_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a terminal a console line (own or relayed) printed while a bar is drawn in place clears the
+    bar first and draws it again below, so the line never starts where the bar ends."""
+    out = _Terminal()
+    monkeypatch.setattr(console, "_out", lambda: out)
+    with console.progress("search", 8, unit="runs") as bar:
+        bar.update(2)
+        console.log("search: 4 arms, 2 at once")
+        console.relay("[vpo] search@vpo: done in 2 s", console=True)
+        bar.update(2)
+    text = out.getvalue()
+    for line in ("[vpo] search: 4 arms, 2 at once\n", "[vpo] search@vpo: done in 2 s\n"):
+        before = text[: text.index(line)]
+        assert before.endswith(("\r", "\n")), repr(text[:400])  # cleared: column 0
+    assert text.rstrip().splitlines()[-1].split("\r")[-1].startswith("search:  50%|"), repr(text[-300:])
+
+
+def test_one_seed_has_no_spread_in_the_tables() -> None:
+    """A table of one run per arm shows the number, not "± 0.000"; several runs show their spread."""
+    assert console.mean_std({"mean": 0.41234, "std": 0.0}, 1) == "0.412"
+    assert console.mean_std({"mean": 0.41234, "std": 0.0191}, 3) == "0.412 ± 0.019"

@@ -11,7 +11,7 @@ from scipy import stats
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from vpo.decoding import decode, inverse_cdf_sample, merged_lora
-from vpo.pipeline.execution import torch_threads
+from vpo.pipeline.engine.execution import torch_threads
 
 V, EOS, PAD = 41, 1, 0
 

@@ -18,16 +18,12 @@ from typing import Any
 import pytest
 import yaml
 
-try:
-    from flows_fixtures import DVC, REPO, FlowResult, make_repo, run, tool_env, tree_digest
-except ModuleNotFoundError:  # tests/ imported as a package
-    from tests.flows_fixtures import DVC, REPO, FlowResult, make_repo, run, tool_env, tree_digest
-
+from tests.support.repos import DVC, REPO, FlowResult, QuickRun, copy_repo, run, tool_env, tree_digest
 from vpo.pipeline.config import load_pipeline
-from vpo.pipeline.dvcgen import dvc_yaml_text, params_yaml_text
-from vpo.pipeline.graph import plan
-from vpo.pipeline.layout import arm_runs
-from vpo.pipeline.storage import configure_dvc_remote, scan_for_secrets
+from vpo.pipeline.config.layout import arm_runs
+from vpo.pipeline.dvc.generate import dvc_yaml_text, params_yaml_text
+from vpo.pipeline.engine.storage import configure_dvc_remote, scan_for_secrets
+from vpo.pipeline.steps import steps_of
 
 QUICK = "route-quick"
 
@@ -40,7 +36,7 @@ def _declared_stages(dvc_yaml: dict[str, Any]) -> set[str]:
 
 
 def _stage_names(cfg: Any) -> list[str]:
-    return [step.dvc_name(cfg.variant) for step in plan(cfg) if step.stage.in_dvc]
+    return [step.dvc_name(cfg.variant) for step in steps_of(cfg) if step.stage.in_dvc]
 
 
 def _quick_stage_names() -> list[str]:
@@ -68,7 +64,7 @@ def test_dvc_yaml_and_params_yaml_are_up_to_date_with_pipelines_yaml() -> None:
 def _declared_repo(tmp_path: Path, *variants: str) -> Path:
     """A copy of pipelines.yaml with dvc.yaml and params.yaml generated for ``variants``."""
     shutil.copy(REPO / "pipelines.yaml", tmp_path / "pipelines.yaml")
-    from vpo.pipeline.dvcgen import main as dvc_main
+    from vpo.pipeline.dvc.generate import main as dvc_main
 
     assert dvc_main(["--config", str(tmp_path / "pipelines.yaml"), *[a for v in variants for a in ("--add", v)]]) == 0
     return tmp_path
@@ -78,8 +74,8 @@ def test_dvc_yaml_declares_only_the_variants_in_use(tmp_path: Path) -> None:
     """The committed dvc.yaml declares the quick variant only (what make quick, CI and the flow tests
     run), so `dvc status` and `dvc metrics show` speak of nothing else; `vpo dvc --add route` declares
     the full main job, `--remove` drops it again, and the choice survives a plain `vpo dvc`."""
-    from vpo.pipeline.dvcgen import declared_variants
-    from vpo.pipeline.dvcgen import main as dvc_main
+    from vpo.pipeline.dvc.generate import declared_variants
+    from vpo.pipeline.dvc.generate import main as dvc_main
 
     committed = yaml.safe_load((REPO / "dvc.yaml").read_text(encoding="utf-8"))
     assert all(name.startswith(f"{QUICK}-") for name in committed["stages"])
@@ -147,11 +143,7 @@ def repro_repo(quick_flow: FlowResult, tmp_path_factory: pytest.TempPathFactory)
     """A copy of the repository the quick flow ran in (every quick stage already ran there through
     `dvc repro --single-item`), so plain `dvc` commands can be checked against the flow's results."""
     assert quick_flow.state.is_completed(), quick_flow.state.message
-    repo = tmp_path_factory.mktemp("dvc") / "repo"
-    src_tmp = quick_flow.repo / ".dvc" / "tmp"
-    shutil.copytree(
-        quick_flow.repo, repo, symlinks=True, ignore=lambda d, names: names if Path(d) == src_tmp else []
-    )
+    repo = copy_repo(quick_flow.repo, tmp_path_factory.mktemp("dvc") / "repo")
     return repo
 
 
@@ -280,21 +272,11 @@ def test_push_then_pull_into_empty_cache_s3_remote(repro_repo: Path, s3_bucket: 
 
 
 @pytest.fixture(scope="module")
-def main_job_repo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """A repository copy in which `vpo run --quick` ran (no `dvc repro`; its training runs side by
-    side, two at once, as `execution.max_parallel: 2` in the committed pipelines.yaml says), with a
-    `.venv` beside it as a fresh clone after `make quick` has; and what it printed."""
-    repo = make_repo(tmp_path_factory.mktemp("mainjob") / "repo")
-    path = repo / "pipelines.yaml"
-    raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    raw["pipelines"]["route"]["quick"]["execution"] = {"max_parallel": 2}
-    path.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
-    run([sys.executable, "-m", "vpo.pipeline.cli", "dvc"], repo)
-    run(["git", "-c", "user.name=t", "-c", "user.email=t@t.invalid", "commit", "-qam", "two at once"], repo)
-    (repo / ".venv").symlink_to(Path(sys.executable).parents[1], target_is_directory=True)
-    proc = run([sys.executable, "-m", "vpo.pipeline.cli", "run", "--quick", "--no-search"], repo, timeout=900,
-               env=tool_env(OMP_NUM_THREADS="1"))
-    return repo, proc.stdout
+def main_job_repo(quick_repo: QuickRun, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A copy of the session's repository in which `vpo run --quick` ran (no `dvc repro`; its training
+    runs side by side, two at once, as `execution.max_parallel: 2` in the committed pipelines.yaml
+    says), with a `.venv` beside it as a fresh clone after `make quick` has; and what it printed."""
+    return quick_repo.copy(tmp_path_factory.mktemp("mainjob") / "repo"), quick_repo.stdout
 
 
 @pytest.mark.slow
@@ -305,7 +287,8 @@ def test_dvc_repro_after_a_parallel_vpo_run_reruns_nothing(main_job_repo: tuple[
     re-runs nothing. A forced stage finds the project's Python without a virtualenv on PATH, reports
     up to date and changes no output."""
     repo, printed = main_job_repo
-    assert "[vpo] 4 training runs, 2 at once" in printed and "[vpo] dvc.lock: recorded 8 stages" in printed, printed
+    recorded = f"[vpo] dvc.lock: recorded {len(_quick_stage_names())} stages"
+    assert "[vpo] 4 training runs, 2 at once" in printed and recorded in printed, printed
     env = {"HOME": str(Path.home()), "PATH": "/usr/bin:/bin", "DVC_NO_ANALYTICS": "1", "OMP_NUM_THREADS": "1"}
     dvc = str(repo / ".venv" / "bin" / "dvc")
     status = run([dvc, "status", f"{QUICK}-evaluate", "--with-deps"], repo, env=env)
@@ -332,10 +315,10 @@ def test_dvc_repro_during_a_running_vpo_run_loses_nothing(main_job_repo: tuple[P
     import time
 
     repo = tmp_path / "repo"
-    shutil.copytree(main_job_repo[0], repo, symlinks=True)
+    copy_repo(main_job_repo[0], repo)
     data_before = tree_digest(repo / "runs" / QUICK / "data")
     job = subprocess.Popen([sys.executable, "-m", "vpo.pipeline.cli", "run", "--quick", "--no-search", "--set",
-                            "trainer.max_steps=5"], cwd=repo, env=tool_env(OMP_NUM_THREADS="1"),
+                            "arms.vpo.max_steps=5"], cwd=repo, env=tool_env(OMP_NUM_THREADS="1"),
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lock = repo / "runs" / QUICK / ".lock"
     deadline = time.monotonic() + 120
@@ -347,6 +330,6 @@ def test_dvc_repro_during_a_running_vpo_run_loses_nothing(main_job_repo: tuple[P
     assert tree_digest(repo / "runs" / QUICK / "data") == data_before
     out, _ = job.communicate(timeout=900)
     assert job.returncode == 0, out[-3000:]
-    assert "train@vpo-s0: trainer.max_steps changed 4 -> 5; retraining" in out
+    assert "train@vpo-s0: arm.max_steps set to 5; retraining" in out, out[-3000:]
     assert tree_digest(repo / "runs" / QUICK / "data") == data_before
     assert json.loads((repo / "runs" / QUICK / "arms" / "vpo-s0" / "metrics.json").read_text())["max_steps"] == 5

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.test_faults_support import (
+from tests.support.faults import (
     RUN_NAME,
     copy_prepared,
     load_cfg,
@@ -232,9 +232,9 @@ def _perturb_arm(folder: Path) -> None:
 
 def run_stage(name: str, cfg: Any) -> dict[str, Any]:
     """The stage's own function (no skipping, no record), as the runner calls it."""
-    from vpo.pipeline.context import StageContext
-    from vpo.pipeline.graph import stage
-    from vpo.pipeline.layout import ArmRun, RunLayout
+    from vpo.pipeline.config.layout import ArmRun, RunLayout
+    from vpo.pipeline.engine.context import StageContext
+    from vpo.pipeline.steps import stage
 
     run = ArmRun(cfg.arm("vpo"), 0) if name == "train" else None
     return stage(name).run(StageContext(cfg, RunLayout.of(cfg), name, run, progress=False))
@@ -338,6 +338,7 @@ def _check_registry(folder: Path) -> None:
         assert (reg / "entries" / entry.artifact / f"{entry.hash}.md").is_file(), entry.label
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_crash_at_every_write_leaves_old_or_new(
     name: str,

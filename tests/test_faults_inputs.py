@@ -23,8 +23,9 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.test_faults_support import (
+from tests.support.faults import (
     RUN_NAME,
+    VPO,
     copy_prepared,
     load_cfg,
     prepared_run,
@@ -59,10 +60,10 @@ class Work:
 
 def _run(cfg: Any, stage: str, rid: str | None = None) -> dict[str, Any]:
     """Run one step of ``cfg``'s plan in this process (as `vpo stage --force` does, without the lock)."""
-    from vpo.pipeline.graph import plan
     from vpo.pipeline.runner import run_step
+    from vpo.pipeline.steps import steps_of
 
-    step = next(s for s in plan(cfg, [stage]) if rid is None or s.rid == rid)
+    step = next(s for s in steps_of(cfg, [stage]) if rid is None or s.rid == rid)
     with torch_threads(1):
         return run_step(cfg, step, progress=False, force=True)
 
@@ -184,6 +185,7 @@ def test_bad_command_line_override(work: Work, setting: str, fragments: list[str
         ),
     ],
 )
+@pytest.mark.slow
 def test_bad_dataset_rows(work: Work, defect: str, fragments: list[str]) -> None:
     """A task/source yielding a broken row: the data stage names the split, row, id and field."""
     before = work.digest()
@@ -209,6 +211,7 @@ def test_bad_dataset_rows(work: Work, defect: str, fragments: list[str]) -> None
 # --------------------------------------------------------------------------- reward functions
 
 
+@pytest.mark.slow
 def test_reward_inf_in_rewards_stage(work: Work) -> None:
     """A reward returning inf for a reference answer: the rewards stage names the row and entry."""
     before = work.digest()
@@ -236,6 +239,7 @@ def test_reward_inf_in_rewards_stage(work: Work) -> None:
     assert work.digest() == before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("defect", "fragment"),
     [
@@ -273,7 +277,7 @@ def test_broken_reward_through_the_trainer(
 
 def test_broken_reward_in_evaluation_names_the_problem() -> None:
     """Evaluation validates every scored answer too."""
-    from tests.test_faults_support import BadRewardTask
+    from tests.support.faults import BadRewardTask
     from vpo.evaluate import score_completions
     from vpo.rewards import RewardError
 
@@ -357,6 +361,7 @@ def test_unparseable_outputs_through_evaluate_stage(work: Work, monkeypatch: pyt
 # --------------------------------------------------------------------------- tokenizers
 
 
+@pytest.mark.slow
 def test_local_model_whose_tokenizer_has_no_eos(work: Work) -> None:
     """`vpo stage base` from a local model folder whose tokenizer lacks an EOS token."""
     model = work.folder / "models" / "no-eos"
@@ -378,7 +383,7 @@ def test_local_model_whose_tokenizer_has_no_eos(work: Work) -> None:
 def test_tiny_builder_tokenizer_without_eos(work: Work, monkeypatch: pytest.MonkeyPatch) -> None:
     """The tiny builder path checks its tokenizer before SFT starts; base/ is left as it was."""
     import vpo.tiny
-    from vpo.pipeline.errors import StageError
+    from vpo.pipeline.engine.errors import StageError
 
     original = vpo.tiny.build_char_tokenizer
 
@@ -399,6 +404,7 @@ def test_tiny_builder_tokenizer_without_eos(work: Work, monkeypatch: pytest.Monk
 # --------------------------------------------------------------------------- incomplete checkpoints
 
 
+@pytest.mark.slow
 def test_train_with_truncated_base_weights(work: Work) -> None:
     """A base model whose safetensors file was cut short: train refuses before loading it."""
     weights = work.run / "base" / "model.safetensors"
@@ -408,12 +414,13 @@ def test_train_with_truncated_base_weights(work: Work) -> None:
     _assert_clean_error(
         proc,
         f"base model: incomplete checkpoint {work.run / 'base'}: model.safetensors is truncated",
-        "rebuild it with `vpo stage base --pipeline route --quick`",
+        f"rebuild it with `{VPO} stage base --pipeline route --quick`",
     )
     assert work.digest() == before
     assert not (work.run / "arms").exists()
 
 
+@pytest.mark.slow
 def test_evaluate_with_an_arm_model_missing_its_config(work: Work) -> None:
     """evaluate checks every policy folder before sampling anything."""
     work.fake_arms()
@@ -424,11 +431,12 @@ def test_evaluate_with_an_arm_model_missing_its_config(work: Work) -> None:
         proc,
         "policy vpo-s0: incomplete checkpoint",
         "no model config (config.json or adapter_config.json)",
-        "retrain it with `vpo stage train --pipeline route --quick --arm vpo --seed 0`",
+        f"retrain it with `{VPO} stage train --pipeline route --quick --arm vpo --seed 0`",
     )
     assert work.digest() == before and not (work.run / "eval").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("damage", "fragment"),
     [
@@ -451,7 +459,7 @@ def test_register_refuses_incomplete_arms(work: Work, damage: str, fragment: str
     before = work.digest()
     proc = run_vpo(["stage", "register", "--quick", "--config", "pipelines.yaml"], work.folder, timeout=120)
     _assert_clean_error(
-        proc, fragment, "retrain it with `vpo stage train --pipeline route --quick --arm grpo_x3 --seed 0`"
+        proc, fragment, f"retrain it with `{VPO} stage train --pipeline route --quick --arm grpo_x3 --seed 0`"
     )
     assert work.digest() == before
     assert not (work.folder / "registry").exists() and not (work.run / "registry.json").exists()
@@ -463,7 +471,7 @@ def test_resume_skips_torn_and_truncated_trainer_checkpoints(tmp_path: Path) -> 
     import torch
     from safetensors.torch import save_file
 
-    from vpo.pipeline.checkpoints import checkpoint_problem, latest_checkpoint
+    from vpo.pipeline.engine.checkpoints import checkpoint_problem, latest_checkpoint
 
     def make(
         step: int,
@@ -509,9 +517,10 @@ def test_resume_skips_torn_and_truncated_trainer_checkpoints(tmp_path: Path) -> 
 # --------------------------------------------------------------------------- corrupt stage outputs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("damage", "stage", "fragments"), [
     ("data/train.parquet", "rewards",
-     ["data/train.parquet is unreadable", "rebuild it with `vpo stage data --pipeline route --quick`"]),
+     ["data/train.parquet is unreadable", f"rebuild it with `{VPO} stage data --pipeline route --quick`"]),
     ("arms/grpo_x3-s0/metrics.json", "register",
      ["arms/grpo_x3-s0/metrics.json is unreadable", "--arm grpo_x3 --seed 0`"]),
 ])
@@ -528,6 +537,7 @@ def test_a_truncated_stage_output_is_named_with_its_fix(work: Work, damage: str,
     assert work.digest() == before
 
 
+@pytest.mark.slow
 def test_a_damaged_arm_model_is_retrained_not_skipped(work: Work) -> None:
     """A finished arm whose model file was cut short: the train stage sees it through the arm's
     record (file sizes) and retrains instead of answering "already trained"."""

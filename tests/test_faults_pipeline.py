@@ -1,5 +1,6 @@
 """Faults on a whole pipeline run: two ``vpo run --quick`` started at once on the same run folder and
-registry, with fake S3 keys and tokens in their environment.
+registry (training, evaluation and registration; the first stages prepared once per session), with fake
+S3 keys and tokens in their environment.
 
 One run must refuse at once (exit 3, naming the other's pid) and write nothing; the other completes
 with consistent outputs and registry; and no secret value appears in any produced file or log.
@@ -15,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_faults_support import RUN_NAME, VPO, vpo_env, write_pipelines
+from tests.support.faults import RUN_NAME, VPO, copy_prepared, prepared_run, vpo_env
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]  # two whole `vpo run` processes race
 
 FAKE_SECRETS = {
     "AWS_ACCESS_KEY_ID": "AKIAFAULTSIXFAKEKEY7",
@@ -40,10 +43,11 @@ class Race:
 
 @pytest.fixture(scope="module")
 def race(tmp_path_factory: pytest.TempPathFactory) -> Race:
-    """Start two identical `vpo run --quick` processes at the same moment and wait for both."""
-    folder = tmp_path_factory.mktemp("race")
-    write_pipelines(folder)
-    args = [str(VPO), "run", "--quick", "--config", "pipelines.yaml", "--set", "trainer.max_steps=2"]
+    """Start two identical `vpo run --quick --no-search` processes at the same moment, in a folder whose
+    data, rewards and base stages the session prepared once, and wait for both."""
+    folder = tmp_path_factory.mktemp("race") / "work"
+    copy_prepared(prepared_run(tmp_path_factory.getbasetemp()), folder)
+    args = [str(VPO), "run", "--quick", "--no-search", "--config", "pipelines.yaml", "--set", "trainer.max_steps=2"]
     logs = [folder / "run-a.log", folder / "run-b.log"]
     env = vpo_env(FAKE_SECRETS)
     procs = []
@@ -86,8 +90,8 @@ def test_outputs_and_registry_are_consistent(race: Race) -> None:
     registered hashes are those of the arm models, and the lock is free again."""
     import pandas as pd
 
-    from vpo.pipeline.checkpoints import content_hash
-    from vpo.pipeline.locking import pipeline_lock, read_holder
+    from vpo.pipeline.engine.checkpoints import content_hash
+    from vpo.pipeline.engine.locking import pipeline_lock, read_holder
     from vpo.pipeline.registry import Registry
 
     run = race.folder / "runs" / RUN_NAME
@@ -114,7 +118,7 @@ def test_outputs_and_registry_are_consistent(race: Race) -> None:
 
 def test_no_secret_in_any_produced_file_or_log(race: Race) -> None:
     """Grep every file of the run folder, the registry, the config folder and both CLI logs."""
-    from vpo.pipeline.storage import scan_for_secrets, secret_values
+    from vpo.pipeline.engine.storage import scan_for_secrets, secret_values
 
     assert set(secret_values(FAKE_SECRETS)) == set(FAKE_SECRETS.values()), "the scanner would miss a secret"
     files = [p for p in race.folder.rglob("*") if p.is_file()]

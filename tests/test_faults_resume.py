@@ -20,7 +20,9 @@ from typing import Any
 
 import pytest
 
-from tests.test_faults_support import RUN_NAME, copy_prepared, prepared_run, start_wrapper, wait_for
+from tests.support.faults import RUN_NAME, copy_prepared, prepared_run, start_wrapper, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]  # training processes killed mid-run and resumed
 
 STEPS, SAVE_STEPS, KILL_IN_SAVE = 8, 3, 6
 TOLERANCE = 0.0  # measured: resumed and uninterrupted runs are bitwise identical
@@ -87,7 +89,7 @@ def test_sigkill_mid_training_resumes_from_last_complete_checkpoint(
     """Kill inside the save of checkpoint-6, rerun: resume from 3, match an uninterrupted run."""
     from safetensors.torch import load_file
 
-    from vpo.pipeline.checkpoints import checkpoint_problem, latest_checkpoint
+    from vpo.pipeline.engine.checkpoints import checkpoint_problem, latest_checkpoint
 
     prepared = prepared_run(tmp_path_factory.getbasetemp(), task="faulttoy")
     ref_dir, run_dir = tmp_path / "reference", tmp_path / "killed"

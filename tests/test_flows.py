@@ -12,7 +12,7 @@
   then are checkpoints registered, every entry's objects present. If the outage outlasts the
   retries, the flow fails and nothing is registered.
 
-Pure helpers (plan resolution, failure parsing, tables) have fast tests without any server.
+Pure helpers (run resolution, failure parsing, tables) have fast tests without any server.
 """
 
 from __future__ import annotations
@@ -34,17 +34,13 @@ from uuid import UUID
 import pytest
 import yaml
 
-try:
-    from flows_fixtures import DVC, REPO, FlowResult, make_repo, run
-except ModuleNotFoundError:  # tests/ imported as a package
-    from tests.flows_fixtures import DVC, REPO, FlowResult, make_repo, run
-
-from flows import plan as fplan
+from flows import flow_run as fr
 from flows import report, tasks
 from flows import retrain as rt
-from vpo.pipeline.checkpoints import content_hash
+from tests.support.repos import DVC, REPO, FlowResult, copy_repo, make_repo, run
+from vpo.pipeline.engine.checkpoints import content_hash
+from vpo.pipeline.engine.storage import scan_for_secrets, secret_values
 from vpo.pipeline.registry import Registry
-from vpo.pipeline.storage import scan_for_secrets, secret_values
 
 QUICK_LABELS = {"data", "rewards", "base", "train@grpo-s0", "train@vpo-s0", "train@grpo_x3-s0", "train@max_at_k-s0",
                 "evaluate", "search"}
@@ -55,14 +51,14 @@ QUICK_LABELS = {"data", "rewards", "base", "train@grpo-s0", "train@vpo-s0", "tra
 
 def test_plan_uses_dvc_stages_for_the_repo_config_and_cli_otherwise(tmp_path: Path) -> None:
     """The repo's pipelines.yaml + dvc.yaml -> DVC mode; another config file -> direct `vpo stage`."""
-    plan = fplan.make_plan("route", True, REPO / "pipelines.yaml")
-    assert plan.use_dvc and plan.variant == "route-quick"
-    assert [s.label for s in plan.steps][:3] == ["data", "rewards", "base"]
-    assert {s.label for s in plan.steps} == QUICK_LABELS
-    assert plan.steps[-1].dvc_stage == "route-quick-search"
+    run = fr.flow_run("route", True, REPO / "pipelines.yaml")
+    assert run.use_dvc and run.variant == "route-quick"
+    assert [s.label for s in run.steps][:3] == ["data", "rewards", "base"]
+    assert {s.label for s in run.steps} == QUICK_LABELS
+    assert run.steps[-1].dvc_stage == "route-quick-search"
     other = tmp_path / "other.yaml"
     shutil.copy(REPO / "pipelines.yaml", other)
-    assert not fplan.make_plan("route", True, other).use_dvc
+    assert not fr.flow_run("route", True, other).use_dvc
 
 
 def test_plan_refuses_a_stale_dvc_yaml(tmp_path: Path) -> None:
@@ -72,7 +68,7 @@ def test_plan_refuses_a_stale_dvc_yaml(tmp_path: Path) -> None:
     raw["pipelines"]["route"]["quick"].setdefault("arms", {}).setdefault("vpo", {})["seeds"] = [0, 7]
     (tmp_path / "repo" / "pipelines.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     with pytest.raises(RuntimeError, match=r"stale.*train@vpo-s7.*vpo dvc"):
-        fplan.make_plan("route", True, tmp_path / "repo" / "pipelines.yaml")
+        fr.flow_run("route", True, tmp_path / "repo" / "pipelines.yaml")
 
 
 def test_validation_failure_parsing_and_retry_policy() -> None:
@@ -98,7 +94,7 @@ def test_validation_failure_parsing_and_retry_policy() -> None:
 
 def test_artifact_keys_and_tables() -> None:
     """Keys are lowercase/digits/dashes; metrics and registry rows flatten what the stages wrote."""
-    assert fplan.artifact_slug("Code_Qwen-quick") == "code-qwen-quick"
+    assert fr.artifact_slug("Code_Qwen-quick") == "code-qwen-quick"
     metrics = {
         "arms": {
             "vpo": {
@@ -280,19 +276,19 @@ def test_train_progress_file_is_polled_into_the_progress_artifact(
 
 
 def test_training_runs_are_one_group_run_as_dvc_yaml_commands(tmp_path: Path) -> None:
-    """The plan's groups: the arm x seed runs together (side by side), every other stage alone; in
+    """The flow run's groups: the arm x seed runs together (side by side), every other stage alone; in
     DVC mode a training run's command is the one dvc.yaml gives it (recorded with `dvc commit`)."""
-    plan = fplan.make_plan("route", True, REPO / "pipelines.yaml")
-    groups = [[s.label for s in g] for g in plan.groups()]
+    run = fr.flow_run("route", True, REPO / "pipelines.yaml")
+    groups = [[s.label for s in g] for g in run.groups()]
     assert groups == [["data"], ["rewards"], ["base"],
                       ["train@grpo-s0", "train@vpo-s0", "train@grpo_x3-s0", "train@max_at_k-s0"],
                       ["evaluate"], ["search"]]
-    vpo = next(s for s in plan.steps if s.label == "train@vpo-s0")
+    vpo = next(s for s in run.steps if s.label == "train@vpo-s0")
     assert vpo.variant_argv[:4] == ("stage", "train", "--variant", "route-quick")
     assert vpo.variant_argv[-4:] == ("--arm", "vpo", "--seed", "0")
     dvc_yaml = yaml.safe_load((REPO / "dvc.yaml").read_text())
     assert dvc_yaml["stages"]["route-quick-train"]["do"]["cmd"].startswith("bin/vpo stage train --variant route-quick")
-    assert plan.max_parallel >= 1 and len(plan.slots) == plan.max_parallel and "training runs" in plan.parallel_note
+    assert run.max_parallel >= 1 and len(run.slots) == run.max_parallel and "training runs" in run.parallel_note
 
 
 @pytest.mark.parametrize(("tail", "use_dvc", "outcome"), [
@@ -320,9 +316,9 @@ def test_work_pool_mode_needs_the_dvc_remote(tmp_path: Path) -> None:
     it is one clear permanent failure, before anything trains."""
     other = tmp_path / "other.yaml"
     shutil.copy(REPO / "pipelines.yaml", other)
-    plan = fplan.make_plan("route", True, other)
+    run = fr.flow_run("route", True, other)
     with pytest.raises(tasks.PermanentStageFailure, match="storage.dvc_remote"):
-        rt._train_on_pool(plan, plan.groups()[3], [], "train-arm/x", None, [])
+        rt._train_on_pool(run, run.groups()[3], [], "train-arm/x", None, [])
 
 
 def test_dvc_lock_records_travel_between_checkouts(tmp_path: Path) -> None:
@@ -395,7 +391,7 @@ def test_flow_runs_every_stage_then_pushes_registers_publishes(quick_flow: FlowR
             "-c",
             "-r",
             "storage",
-            *fplan.make_plan("route", True, quick_flow.repo / "pipelines.yaml").dvc_targets,
+            *fr.flow_run("route", True, quick_flow.repo / "pipelines.yaml").dvc_targets,
         ],
         quick_flow.repo,
     )
@@ -637,11 +633,11 @@ def _outage_after_puts(
 @pytest.mark.slow
 @pytest.mark.integration
 def test_s3_outage_during_push_is_retried_and_registry_stays_consistent(
-    quick_flow: FlowResult, s3_server: Any, monkeypatch: pytest.MonkeyPatch
+    quick_flow: FlowResult, s3_server: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """Server down for 5 s after the 5th pushed object: push fails, retries with backoff, completes;
     registration happens only after it, and every entry's objects exist."""
-    repo, bucket = quick_flow.repo, s3_server.make_bucket()
+    repo, bucket = copy_repo(quick_flow.repo, tmp_path / "repo"), s3_server.make_bucket()
     _set_storage(repo, bucket)
     monkeypatch.setenv(
         "AWS_MAX_ATTEMPTS", "1"
@@ -674,18 +670,18 @@ def test_s3_outage_during_push_is_retried_and_registry_stays_consistent(
     assert sorted(e.arm for e in entries) == ["grpo-s0", "grpo_x3-s0", "max_at_k-s0", "vpo-s0"]
     for e in entries:
         assert reg.verify(e) == []
-    targets = fplan.make_plan("route", True, repo / "pipelines.yaml").dvc_targets
+    targets = fr.flow_run("route", True, repo / "pipelines.yaml").dvc_targets
     assert "in sync" in run([DVC, "status", "-c", "-r", "storage", *targets], repo).stdout
 
 
 @pytest.mark.slow
 @pytest.mark.integration
 def test_s3_outage_outlasting_retries_fails_before_registering(
-    quick_flow: FlowResult, s3_server: Any, monkeypatch: pytest.MonkeyPatch
+    quick_flow: FlowResult, s3_server: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """Server down from the first pushed object on: every push attempt fails, the flow fails, and the
     registry holds nothing (no entry can point at objects the outage kept out)."""
-    repo, bucket = quick_flow.repo, s3_server.make_bucket()
+    repo, bucket = copy_repo(quick_flow.repo, tmp_path / "repo"), s3_server.make_bucket()
     _set_storage(repo, bucket)
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     with _outage_after_puts(
@@ -709,19 +705,20 @@ def test_s3_outage_outlasting_retries_fails_before_registering(
 
 def test_overrides_reach_every_stage_and_leave_dvc_mode(tmp_path: Path) -> None:
     """`--set` (the flow's `overrides` parameter) becomes `--set` on every stage command; since DVC's
-    stages read params.yaml, the plan runs the CLI instead and says so."""
-    plan = fplan.make_plan("route", True, REPO / "pipelines.yaml", {"trainer.max_steps": 7})
-    assert not plan.use_dvc and "overrides trainer.max_steps=7" in plan.mode_note
-    for step in plan.steps:
+    stages read params.yaml, the flow run uses the CLI instead and says so."""
+    run = fr.flow_run("route", True, REPO / "pipelines.yaml", {"trainer.max_steps": 7})
+    assert not run.use_dvc and "overrides trainer.max_steps=7" in run.mode_note
+    for step in run.steps:
         argv = list(step.argv)
         assert argv[argv.index("--set") + 1] == "trainer.max_steps=7" and "--quick" in argv, argv
-    assert "trainer.max_steps=7" in plan.register_argv
+    assert "trainer.max_steps=7" in run.register_argv
     from vpo.pipeline.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"trainer.max_step \(from --set\): unknown key; did you mean max_steps"):
-        fplan.make_plan("route", True, REPO / "pipelines.yaml", {"trainer.max_step": 7})
+        fr.flow_run("route", True, REPO / "pipelines.yaml", {"trainer.max_step": 7})
 
 
+@pytest.mark.slow
 def test_vpo_flow_passes_set_to_the_flow(monkeypatch: pytest.MonkeyPatch) -> None:
     """The CLI hands its --set values to the flow as a parameter (they are not validated and dropped)."""
     from vpo.pipeline import cli
@@ -785,3 +782,22 @@ def test_console_prints_a_stage_failure_without_prefects_traceback() -> None:
     assert stage == "ERROR flow failed"
     assert "Traceback" in other and "ValueError: a bug" in other
     assert "Traceback" in after  # the console's own formatter is back
+
+
+def test_the_runners_at_capacity_line_is_said_once_per_change(caplog: pytest.LogCaptureFixture) -> None:
+    """`vpo serve` polls every few seconds; "N scheduled runs skipped (at capacity)" is said when N
+    changes, not at every poll."""
+    import logging
+
+    from flows.retrain import _said_once_per_change
+
+    logger = logging.getLogger("prefect.runner")
+    with caplog.at_level(logging.INFO, logger="prefect.runner"), _said_once_per_change(
+            "prefect.runner", "scheduled runs skipped (at capacity)"):
+        for n in (1, 1, 1, 2, 2, 1):
+            logger.info("%d scheduled runs skipped (at capacity)", n)
+        logger.info("another line")
+        logger.info("another line")
+    said = [r.getMessage() for r in caplog.records if r.name == "prefect.runner"]
+    assert said == ["1 scheduled runs skipped (at capacity)", "2 scheduled runs skipped (at capacity)",
+                    "1 scheduled runs skipped (at capacity)", "another line", "another line"]

@@ -11,10 +11,11 @@ from typing import Any, ClassVar
 import pytest
 import yaml
 
-from vpo.pipeline import hub
 from vpo.pipeline.config import ConfigError, load_pipeline
-from vpo.pipeline.errors import StageError
-from vpo.pipeline.layout import RunLayout, arm_runs
+from vpo.pipeline.config.layout import RunLayout, arm_runs
+from vpo.pipeline.engine.console import tool
+from vpo.pipeline.engine.errors import StageError
+from vpo.pipeline.registry import hub
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,7 +67,8 @@ def test_without_a_token_nothing_is_uploaded_and_one_line_says_so(
     assert hub.push_runs(cfg, RunLayout.of(cfg), arm_runs(cfg), ["h"] * 3) == []
     assert fake_hub.calls == []
     out = capsys.readouterr().out
-    assert "[vpo] push_to_hub: no Hugging Face token (set HF_TOKEN or run `hf auth login`); skipped uploading " \
+    assert f"[vpo] push_to_hub: no Hugging Face token (set HF_TOKEN or run `{tool('hf', 'auth', 'login')}`); " \
+        "skipped uploading " \
         f"{len(arm_runs(cfg))} run(s)" in out
 
 
@@ -107,7 +109,7 @@ def test_a_failed_upload_is_one_error_naming_the_repo(
 
 def _entry(tmp_path: Path, estimator: str, arm: str, *, train: dict[str, Any] | None = None,
            adapter: bool = False) -> tuple[Any, Path]:
-    from tests.test_registry import make_checkpoint, metrics
+    from tests.support.registry import make_checkpoint, metrics
     from vpo.pipeline.registry import Registry
 
     folder = make_checkpoint(tmp_path / arm)
@@ -135,7 +137,7 @@ def test_card_reads_back_with_base_model_eval_results_and_the_estimators_own_set
     results = {(r.metric_type, r.metric_name): r.metric_value for r in card.data.eval_results}
     assert results[("best_at_k", "best@4")] == 0.75 and results[("pass_at_k", "pass@1")] == 0.25
     assert card.data.to_dict()["vpo"]["content_hash"] == vpo_entry.hash
-    assert "| K (weightings per prompt group) | 8 |" in card.text and "| m (answers per rollout) | 3 |" in card.text
+    assert "| K (weightings per prompt group) | 8 |" in card.text and "| num_answers (answers per rollout) | 3 |" in card.text
     max_card = ModelCard.load(_entry(tmp_path, "max_at_k", "max_at_k")[1] / "README.md")
     assert "max_at_k" in max_card.data.tags
     assert "K (weightings" not in max_card.text and "| k of max@k | 2 (default) |" in max_card.text
@@ -167,7 +169,7 @@ def test_the_readme_trl_writes_into_a_checkpoint_names_vpo_and_the_estimator(tmp
     from huggingface_hub import ModelCard
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tests.trainer_fixtures import LetterReward, config, tiny_model_dir, toy_dataset
+    from tests.support.trainers import LetterReward, config, tiny_model_dir, toy_dataset
     from vpo.trainer import VPOTrainer
 
     model_dir = tiny_model_dir(tmp_path)

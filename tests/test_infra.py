@@ -80,7 +80,7 @@ def test_dockerfile_structure_and_torch_before_project() -> None:
     assert args["TORCH_VERSION"] == "2.13.0" and args["TORCH_INDEX_URL"].endswith("/whl/cpu")
     assert args["VPO_EXTRAS"] == '""'
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    assert "vllm" in extras  # the GPU build arg VPO_EXTRAS=vllm names a real extra
+    assert "gpu" in extras  # the GPU image (infra/Dockerfile.gpu) installs this extra
     assert ops[-1] == "CMD" and [a for op, a in ins if op == "USER"] == ["vpo"]
 
 
@@ -111,6 +111,49 @@ def test_dockerfile_hadolint_if_available() -> None:
         check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# --------------------------------------------------------------------------- GPU image
+
+
+def test_gpu_dockerfile_installs_the_gpu_extra_on_the_torch_vllm_pins() -> None:
+    """infra/Dockerfile.gpu and the `gpu` extra agree: torch is the build vLLM's wheel pins (PyPI's, CUDA
+    13), installed before the project, and the project installs the `gpu` extra whose pins the table holds."""
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+
+    from vpo import requirements as reqs
+
+    path = INFRA / "Dockerfile.gpu"
+    ins = dockerfile_instructions(path)
+    ops = [op for op, _ in ins]
+    args = dict(a.split("=", 1) for op, a in ins if op == "ARG" and "=" in a)
+    assert args["TORCH_VERSION"] == reqs.VLLM_TORCH and args["TORCH_CUDA"] == reqs.TORCH_CUDA
+    assert args["TORCH_INDEX_URL"] == "https://pypi.org/simple", "not a cu12x index: vLLM's wheel needs PyPI's torch"
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    core = {Requirement(r).name: Requirement(r).specifier for r in project["dependencies"]}
+    assert args["TORCH_VERSION"] in core["torch"]
+    gpu = {Requirement(r).name: Requirement(r).specifier for r in project["optional-dependencies"]["gpu"]}
+    assert {"deepspeed", "peft"} <= set(gpu) and "vllm" not in gpu
+    vllm = next(r for r in reqs.REQUIREMENTS if r.package == "vllm")
+    assert SpecifierSet(f"=={args['VLLM_VERSION']}") == SpecifierSet(vllm.spec) and args["VLLM_ENV"] == reqs.VLLM_ENV
+    runs = [(i, a) for i, (op, a) in enumerate(ins) if op == "RUN"]
+    torch_i = next(i for i, a in runs if '"torch==${TORCH_VERSION}"' in a)
+    assert '--index-url "${TORCH_INDEX_URL}"' in ins[torch_i][1] and "${TORCH_CUDA}" in ins[torch_i][1]
+    project_i = next(i for i, a in runs if 'pip install ".[gpu]"' in a)
+    copy_i = ops.index("COPY")
+    assert torch_i < copy_i < project_i
+    assert "import torch, deepspeed, peft, vpo" in ins[project_i][1]  # the build fails if one is missing
+    vllm_run = next(a for _, a in runs if '"vllm==${VLLM_VERSION}"' in a)  # its own venv, the same torch
+    assert vllm_run.startswith('python -m venv "${VLLM_ENV}"') and '"torch==${TORCH_VERSION}"' in vllm_run
+    assert '--index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"' in vllm_run and "import torch, vllm" in vllm_run
+    assert "build-essential" in next(a for _, a in runs if "apt-get install" in a)  # Triton / DeepSpeed JIT
+    assert ops[-1] == "CMD" and [a for op, a in ins if op == "USER"] == ["vpo"]
+    assert "ARG PYTHON_VERSION=3.11" in path.read_text()
+    ignore = INFRA / "Dockerfile.gpu.dockerignore"
+    assert ignore.read_text() == (INFRA / "Dockerfile.dockerignore").read_text()
+    cpu = (INFRA / "Dockerfile").read_text()
+    assert "cu128" not in cpu and "Dockerfile.gpu" in cpu
 
 
 # --------------------------------------------------------------------------- compose

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.test_faults_support import RUN_NAME, copy_prepared, prepared_run, run_vpo
+from tests.support.faults import RUN_NAME, copy_prepared, prepared_run, run_vpo
 
 
 @pytest.mark.slow

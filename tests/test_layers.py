@@ -109,3 +109,35 @@ def test_the_prefect_commands_join_vpo_through_the_entry_point_group() -> None:
     assert args.cmd == "flow" and args.quick and args.arms_on == "train-arm/x"
     assert parser.parse_args(["serve", "--cron", "0 1 * * *"]).cron == "0 1 * * *"
     assert parser.parse_args(["ui", "--keep"]).keep is True
+
+
+PIPELINE_WINGS: tuple[tuple[str, ...], ...] = (
+    ("vpo.pipeline.config",),
+    ("vpo.pipeline.engine",),
+    ("vpo.pipeline.registry", "vpo.pipeline.memory", "vpo.pipeline.validation"),
+    ("vpo.pipeline.stages",),
+    ("vpo.pipeline.steps",),
+    ("vpo.pipeline.dvc",),
+    ("vpo.pipeline.runner",),
+    ("vpo.pipeline.cli",),
+)
+"""The pipeline's wings, lowest first: configuration, the engine that runs a stage, the parts stages use,
+the stages, the stage table, DVC generation and recording, the runner, the command line."""
+
+
+def _wing(module: str) -> int | None:
+    for rank, prefixes in enumerate(PIPELINE_WINGS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return rank
+    return None
+
+
+def test_every_pipeline_module_has_a_wing_and_imports_no_higher_one() -> None:
+    """vpo/pipeline in wings: each module belongs to one, and imports (inside functions too) only its own
+    wing and the ones below it."""
+    sources = _sources()
+    pipeline = {n: p for n, p in sources.items() if n.startswith("vpo.pipeline.")}
+    assert not [n for n in pipeline if _wing(n) is None], "modules outside every wing"
+    upward = sorted(f"{name} -> {dep}" for name, path in pipeline.items() for dep in _imports(path)
+                    if dep in sources and _wing(dep) is not None and _wing(dep) > _wing(name))
+    assert upward == []

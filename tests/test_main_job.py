@@ -1,6 +1,7 @@
 """End to end: the README's main command on the quick preset (`vpo run --quick`, search included), run
-as a user runs it, in a scratch folder. Every stage's declared output must exist and hold numbers
-for every arm; the printed table must be the evaluation's table."""
+as a user runs it, once per test session in a scratch repository (conftest ``quick_repo``). Every
+stage's declared output must exist and hold numbers for every arm; the printed table must be the
+evaluation's table. Tests that run `vpo` again do it in a copy, retraining only the arms they check."""
 
 from __future__ import annotations
 
@@ -16,19 +17,16 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.repos import QuickRun
+
 VPO = Path(sys.executable).with_name("vpo")
 
 
-@pytest.fixture(scope="module")
-def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    folder = tmp_path_factory.mktemp("main-job")
-    shutil.copy(ROOT / "pipelines.yaml", folder / "pipelines.yaml")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([str(VPO), "run", "--quick", "--config", "pipelines.yaml"],
-                          cwd=folder, env=env, capture_output=True, text=True, timeout=900, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return folder / "runs" / "route-quick", proc.stdout
+@pytest.fixture
+def quick_run(quick_repo: QuickRun) -> tuple[Path, str]:
+    """The session's `vpo run --quick` (conftest ``quick_repo``): its run folder and what it printed.
+    Read-only; a test that writes works on ``quick_repo.copy``."""
+    return quick_repo.run, quick_repo.stdout
 
 
 def test_every_stage_output_exists(quick_run: tuple[Path, str]) -> None:
@@ -90,9 +88,9 @@ def test_console_is_one_line_per_stage_event_and_the_log_file_has_the_rest(quick
     assert len(fixed) < 81, len(fixed)
     log_line = lines[-1]
     assert log_line.startswith("[vpo] full log: "), log_line
-    logs = list((run / "logs").glob("*-run.log"))
-    assert len(logs) == 1
-    text = logs[0].read_text()
+    log = run.parents[1] / log_line.removeprefix("[vpo] full log: ").split(" (")[0]  # the rerun wrote one too
+    assert log.parent == run / "logs" and log.name.endswith("-run.log"), log_line
+    text = log.read_text()
     assert "[vpo] train@vpo-s0: done in" in text and table.splitlines()[0] in text
     # every training log record: in the run's own log when it trained in its own process (side by side)
     own = list((run / "logs").glob("*-stage-train-vpo-s0.log"))
@@ -135,63 +133,101 @@ def test_quick_preset_learns(quick_run: tuple[Path, str]) -> None:
         assert moved > 0, f"{arm}: weights equal the base's"
 
 
-def test_weights_and_metrics_do_not_depend_on_running_side_by_side(quick_run: tuple[Path, str],
-                                                                   tmp_path: Path) -> None:
-    """The quick preset's training and search run once more from the same data, rewards and base, the
-    other way round (one after another if they ran side by side, else two at once; one torch thread per
-    run both times): every arm's weights are byte-identical, and so are the evaluation of every policy
-    and every arm's search."""
+def test_weights_and_metrics_do_not_depend_on_running_side_by_side(quick_repo: QuickRun, tmp_path: Path) -> None:
+    """The quick preset's training and search run once more from the session run's data, rewards and base,
+    the other way round (one after another if they ran side by side, else two at once; one torch thread
+    per run both times): every arm's weights are byte-identical, and so are the evaluation of every policy
+    and every arm's search (which problems it searches depends on every arm's evaluation, so all four
+    arms run)."""
     import hashlib
 
-    run, stdout = quick_run
+    run, stdout = quick_repo.run, quick_repo.stdout
     side_by_side = "4 training runs, 2 at once" in stdout
     other = tmp_path / "other"
     other.mkdir()
-    shutil.copy(ROOT / "pipelines.yaml", other / "pipelines.yaml")
+    shutil.copy(quick_repo.repo / "pipelines.yaml", other / "pipelines.yaml")
     for stage in ("data", "rewards", "base"):
         shutil.copytree(run / stage, other / "runs" / "route-quick" / stage)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([str(VPO), "run", "--quick", "--config", "pipelines.yaml", "--set",
-                           f"execution.max_parallel={1 if side_by_side else 2}"],
-                          cwd=other, env=env, capture_output=True, text=True, timeout=900, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = _vpo(["run", "--quick", "--set", f"execution.max_parallel={1 if side_by_side else 2}"], other)
     assert "[vpo] base: up to date" in proc.stdout
     assert ("4 training runs, 2 at once" in proc.stdout) is not side_by_side, proc.stdout[-3000:]
     assert ("[vpo] search: 4 arms, 2 at once" in proc.stdout) is not side_by_side, proc.stdout[-3000:]
     assert ("[vpo] search: 4 arms, 2 at once" in stdout) is side_by_side
+    ours = other / "runs" / "route-quick"
     for arm in ("grpo-s0", "vpo-s0", "grpo_x3-s0", "max_at_k-s0"):
         digests = {hashlib.sha256((root / "arms" / arm / "model" / "model.safetensors").read_bytes()).hexdigest()
-                   for root in (run, other / "runs" / "route-quick")}
+                   for root in (run, ours)}
         assert len(digests) == 1, f"{arm}: weights differ between side-by-side and one-after-another training"
+
     def results(path: Path) -> dict[str, Any]:  # every policy's metrics, without its wall time
         runs = json.loads(path.read_text())["runs"]
         return {rid: {k: v for k, v in m.items() if k != "seconds"} for rid, m in runs.items()}
 
-    ours = results(other / "runs" / "route-quick" / "eval" / "metrics.json")
-    assert ours == results(run / "eval" / "metrics.json")
+    assert results(ours / "eval" / "metrics.json") == results(run / "eval" / "metrics.json")
     for name in ("results.json", "selection.json", "table.md"):
-        assert (other / "runs" / "route-quick" / "search" / name).read_bytes() == (run / "search" / name).read_bytes()
+        assert (ours / "search" / name).read_bytes() == (run / "search" / name).read_bytes()
 
 
-def test_rerun_redoes_only_what_changed_and_says_why(quick_run: tuple[Path, str]) -> None:
-    """A second `vpo run --quick` with one training setting changed: data, rewards and base are up to
-    date; every arm retrains, naming the change; evaluation reruns because its inputs changed."""
-    run, _ = quick_run
-    folder = run.parents[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def _vpo(argv: list[str], cwd: Path, *, rc: int = 0) -> subprocess.CompletedProcess[str]:
+    """`vpo ARGV --config pipelines.yaml` in ``cwd`` with one torch thread; asserts its exit code."""
+    proc = subprocess.run([str(VPO), *argv, "--config", "pipelines.yaml"], cwd=cwd,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=900,
+                          check=False)
+    assert proc.returncode == rc, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_a_rerun_with_nothing_to_do_starts_no_stage_process(quick_repo: QuickRun, tmp_path: Path) -> None:
+    """The same command again in a copy of the session's run: every stage says it is up to date, and no
+    `vpo stage` process is started for a training run or a search (the check comes before a process
+    per arm)."""
+    from tests.support.procs import Descendants
+
+    repo = quick_repo.copy(tmp_path / "repo")
+    again = subprocess.Popen([str(VPO), "run", "--quick", "--config", "pipelines.yaml"], cwd=repo,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    with Descendants(again.pid, interval_s=0.05) as watch:
+        out, _ = again.communicate(timeout=600)
+    assert again.returncode == 0, out[-3000:]
+    for label in ("data", "rewards", "base", "train@grpo-s0", "train@vpo-s0", "train@grpo_x3-s0", "train@max_at_k-s0",
+                  "evaluate", "search"):
+        assert f"[vpo] {label}: up to date" in out, out[-3000:]
+    started = list(watch.seen.values())
+    assert not [cmd for cmd in started if " stage " in cmd], started
+
+
+def test_rerun_redoes_only_what_changed_and_says_why(quick_repo: QuickRun, tmp_path: Path) -> None:
+    """A second `vpo run --quick` in a copy, with one arm's training setting changed
+    (`arms.vpo.max_steps=5`): data, rewards, base and the other arms are up to date; that arm retrains,
+    saying why, to the new step count; evaluation reruns because one of its inputs changed."""
+    repo = quick_repo.copy(tmp_path / "repo")
+    run = repo / "runs" / "route-quick"
     base_before = (run / "base" / "model.safetensors").stat().st_mtime_ns
-    proc = subprocess.run([str(VPO), "run", "--quick", "--no-search", "--config", "pipelines.yaml",
-                           "--set", "trainer.max_steps=5"],
-                          cwd=folder, env=env, capture_output=True, text=True, timeout=900, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = proc.stdout
-    for stage in ("data", "rewards", "base"):
+    out = _vpo(["run", "--quick", "--no-search", "--set", "arms.vpo.max_steps=5"], repo).stdout
+    for stage in ("data", "rewards", "base", "train@grpo-s0", "train@grpo_x3-s0", "train@max_at_k-s0"):
         assert f"[vpo] {stage}: up to date" in out, out[-3000:]
-    for arm in ("grpo-s0", "vpo-s0", "grpo_x3-s0", "max_at_k-s0"):
-        assert f"[vpo] train@{arm}: trainer.max_steps changed 4 -> 5; retraining" in out, out[-3000:]
-        assert json.loads((run / "arms" / arm / "metrics.json").read_text())["max_steps"] == 5
-    assert "[vpo] evaluate: input train@grpo-s0, train@grpo_x3-s0, train@max_at_k-s0 (+1) changed; running" in out
+    assert "[vpo] train@vpo-s0: arm.max_steps set to 5; retraining" in out, out[-3000:]
+    assert json.loads((run / "arms" / "vpo-s0" / "metrics.json").read_text())["max_steps"] == 5
+    evaluate = next(ln for ln in out.splitlines() if ln.startswith("[vpo] evaluate: "))
+    assert evaluate.endswith("input train@vpo-s0 changed; running"), evaluate
     assert (run / "base" / "model.safetensors").stat().st_mtime_ns == base_before
+
+
+def test_report_to_reaches_the_trainer_end_to_end(quick_repo: QuickRun, tmp_path: Path) -> None:
+    """`trainer.report_to: [dvclive, tensorboard]` from the command line, one arm's stage in a copy: the
+    arm retrains (its settings changed) and both trackers get its training curves, TensorBoard's kept in
+    the run folder, the resume state gone."""
+    pytest.importorskip("tensorboardX")
+    repo = quick_repo.copy(tmp_path / "repo")
+    run = repo / "runs" / "route-quick"
+    proc = _vpo(["stage", "train", "--quick", "--arm", "vpo", "--seed", "0",
+                 "--set", "trainer.report_to=[dvclive, tensorboard]"], repo)
+    assert "train@vpo-s0: trainer.report_to changed" in proc.stdout, proc.stdout[-2000:]
+    tags = _event_tags(run / "arms" / "vpo-s0" / "tensorboard")
+    assert {"train/loss", "train/vpo/expected_max", "train/vpo/frac_unparsed"} <= tags, sorted(tags)
+    assert (run / "arms" / "vpo-s0" / "live" / "plots" / "metrics" / "vpo" / "expected_max.tsv").is_file()
+    assert not (run / "arms" / "vpo-s0" / "trainer").exists()  # resume state gone, the curves kept
 
 
 def _event_tags(folder: Path) -> set[str]:
@@ -212,39 +248,16 @@ def _event_tags(folder: Path) -> set[str]:
     return tags
 
 
-def test_report_to_reaches_the_trainer_end_to_end(quick_run: tuple[Path, str]) -> None:
-    """`trainer.report_to: [dvclive, tensorboard]` from the command line: the arm retrains (its
-    settings changed) and both trackers get its training curves, TensorBoard's kept in the run folder."""
-    pytest.importorskip("tensorboardX")
-    run, _ = quick_run
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([str(VPO), "stage", "train", "--quick", "--config", "pipelines.yaml", "--arm", "vpo",
-                           "--seed", "0", "--set", "trainer.max_steps=5", "--set",
-                           "trainer.report_to=[dvclive, tensorboard]"],
-                          cwd=run.parents[1], env=env, capture_output=True, text=True, timeout=900, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "train@vpo-s0: trainer.report_to changed" in proc.stdout, proc.stdout[-2000:]
-    tags = _event_tags(run / "arms" / "vpo-s0" / "tensorboard")
-    assert {"train/loss", "train/vpo/expected_max", "train/vpo/frac_unparsed"} <= tags, sorted(tags)
-    assert (run / "arms" / "vpo-s0" / "live" / "plots" / "metrics" / "vpo" / "expected_max.tsv").is_file()
-    assert not (run / "arms" / "vpo-s0" / "trainer").exists()  # resume state gone, the curves kept
-
-
-def test_one_arms_search_beside_the_others_refuses_another_requests_checkpoint(quick_run: tuple[Path, str]) -> None:
+def test_one_arms_search_beside_the_others_refuses_another_requests_checkpoint(
+        quick_repo: QuickRun, tmp_path: Path) -> None:
     """`vpo stage search --arm vpo` (what the search stage starts per arm) finds a checkpoint of another
     search: one error line naming it and the command that starts afresh, exit 2, no traceback."""
-    run, _ = quick_run
-    ck_dir = run / "search" / "checkpoints"
+    repo = quick_repo.copy(tmp_path / "repo")
+    ck_dir = repo / "runs" / "route-quick" / "search" / "checkpoints"
     ck_dir.mkdir()
     stale = ck_dir / "vpo.search.json"
     stale.write_text(json.dumps({"version": 1, "fingerprint": {"seed": 12345}, "step": 0, "problems": []}))
-    try:
-        proc = subprocess.run([str(VPO), "stage", "search", "--quick", "--config", "pipelines.yaml", "--arm", "vpo"],
-                              cwd=run.parents[1], env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                              text=True, timeout=600, check=False)
-    finally:
-        shutil.rmtree(ck_dir)
-    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    proc = _vpo(["stage", "search", "--quick", "--arm", "vpo"], repo, rc=2)
     errors = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in proc.stdout + proc.stderr
     assert f"{stale}: checkpoint" in errors[0] and "vpo stage search --pipeline route --quick" in errors[0]

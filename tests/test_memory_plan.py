@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from vpo.memory_plan import (
+from vpo.memory import (
     DEVICES,
     Device,
     GiB,
@@ -22,12 +22,11 @@ from vpo.memory_plan import (
     PlanError,
     TrainSettings,
     check,
-    generation_layout,
     plan_step,
     scale_shape,
     shape_config,
 )
-from vpo.pipeline.plan import MODEL_CONFIGS, shipped_config
+from vpo.pipeline.memory import MODEL_CONFIGS, shipped_config
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = Device("test CPU", 16 * GiB, "cpu", 50e9)
@@ -53,8 +52,14 @@ def build(shape: ModelShape) -> torch.nn.Module:
 
 
 def settings(**kw: Any) -> TrainSettings:
-    base: dict[str, Any] = {"per_device_train_batch_size": 8, "num_generations": 8, "max_completion_length": 256,
-                            "max_prompt_length": 256}
+    """Settings with TRL's defaults, except float32 weights and no gradient checkpointing (what the tiny
+    models these tests build train with)."""
+    base: dict[str, Any] = {
+        "per_device_train_batch_size": 8, "num_generations": 8, "max_completion_length": 256, "max_prompt_length": 256,
+        "gradient_accumulation_steps": 1, "generation_batch_size": None, "steps_per_generation": None,
+        "num_iterations": 1, "gradient_checkpointing": False, "bf16": False, "fp16": False, "param_dtype": "float32",
+        "use_vllm": False, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3, "vllm_enable_sleep_mode": False,
+        "beta": 0.0, "optim": "adamw_torch_fused", "ds3_gather_for_generation": True, "cast_lm_head_to_fp32": False}
     return TrainSettings(**{**base, **kw})
 
 
@@ -147,18 +152,23 @@ def test_training_flops_match_trls_count() -> None:
     ({}, 1), ({"gradient_accumulation_steps": 4}, 2), ({"steps_per_generation": 2}, 3),
     ({"generation_batch_size": 48, "gradient_accumulation_steps": 2}, 2),
 ])
-def test_generation_layout_is_trls_rule(kw: dict[str, Any], world: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_batch_is_trls_rule(kw: dict[str, Any], world: int, monkeypatch: pytest.MonkeyPatch) -> None:
     from trl import GRPOConfig
 
     monkeypatch.setattr(GRPOConfig, "world_size", property(lambda self: world))
     cfg = GRPOConfig(output_dir="/tmp/unused", per_device_train_batch_size=8, num_generations=4, bf16=False,
                      use_cpu=True, report_to="none", **kw)
-    mine = generation_layout(settings(num_generations=4, **kw), world)
-    assert mine == (cfg.generation_batch_size, cfg.steps_per_generation)
+    mine = settings(num_generations=4, **kw).batch(world)
+    assert (mine.completions_per_round, mine.steps_per_generation) == (cfg.generation_batch_size,
+                                                                       cfg.steps_per_generation)
+    batch_keys = ("per_device_train_batch_size", "num_generations", "gradient_accumulation_steps",
+                  "generation_batch_size", "steps_per_generation", "num_iterations")
+    built = settings(**{k: getattr(cfg, k) for k in batch_keys}).batch(world)
+    assert built == mine  # a built config (both round settings) plans the same batch
 
 
 def test_indivisible_generation_batch_is_refused() -> None:
-    with pytest.raises(ValueError, match="multiple of num_generations"):
+    with pytest.raises(ValueError, match="does not hold whole groups of num_generations 4"):
         plan_step(tiny(), settings(per_device_train_batch_size=6, num_generations=4), device=CPU)
 
 
@@ -253,14 +263,14 @@ def test_cpu_plans_must_fit_the_ram_and_say_when_it_is_not_free_now() -> None:
     busy = Device("busy CPU", 16 * GiB, "cpu", 50e9, available=1 * GiB)
     plan = check(plan_step(shipped("SmolLM2-135M-Instruct"), settings(), device=busy))
     assert plan.fits and plan.above_available
-    from vpo.memory_plan import format_plan
+    from vpo.memory import format_plan
 
     assert "1.0 GiB available now" in format_plan(plan) and "more than is free now" in format_plan(plan)
     assert not plan_step(shipped("SmolLM2-135M-Instruct"), settings(), device=CPU).above_available
 
 
 def test_generation_time_is_bounded_by_the_decode_floor_and_by_bandwidth() -> None:
-    from vpo.memory_plan import DECODE_FLOOR_PER_LAYER, known_gpu
+    from vpo.memory import DECODE_FLOOR_PER_LAYER, known_gpu
 
     small = shipped("Qwen2.5-0.5B-Instruct")
     s = settings(bf16=True, param_dtype="bfloat16", max_completion_length=512)
@@ -301,7 +311,7 @@ def test_accelerate_configs_load_and_give_their_sharding(name: str, stage: int, 
     from accelerate.commands.config.config_args import load_config_from_file
 
     from vpo.pipeline.config import load_pipeline
-    from vpo.pipeline.plan import parallel_of
+    from vpo.pipeline.memory import parallel_of
 
     path = REPO / "infra" / "accelerate" / name
     load_config_from_file(str(path))  # accelerate itself accepts the file
@@ -314,8 +324,8 @@ def test_accelerate_configs_load_and_give_their_sharding(name: str, stage: int, 
 
 def test_route_plan_reads_the_tiny_builder(tmp_path: Path) -> None:
     from vpo.pipeline.config import load_pipeline
-    from vpo.pipeline.context import build_task
-    from vpo.pipeline.plan import model_shape, plan_pipeline
+    from vpo.pipeline.engine.context import build_task
+    from vpo.pipeline.memory import model_shape, plan_pipeline
 
     cfg = load_pipeline("route", str(REPO / "pipelines.yaml"), quick=True,
                         overrides={"storage.runs_dir": str(tmp_path)})
@@ -344,12 +354,12 @@ def test_vpo_plan_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_train_stage_check_refuses_before_loading(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from vpo.pipeline import plan as plan_mod
+    from vpo.pipeline import memory as plan_mod
     from vpo.pipeline.config import load_pipeline
-    from vpo.pipeline.context import StageContext
-    from vpo.pipeline.errors import StageError
-    from vpo.pipeline.layout import ArmRun, RunLayout
-    from vpo.pipeline.settings import vpo_config_kwargs
+    from vpo.pipeline.config.layout import ArmRun, RunLayout
+    from vpo.pipeline.config.settings import vpo_config_kwargs
+    from vpo.pipeline.engine.context import StageContext
+    from vpo.pipeline.engine.errors import StageError
     from vpo.trainer import VPOConfig
 
     cfg = load_pipeline("route", str(REPO / "pipelines.yaml"), quick=True,
@@ -381,8 +391,9 @@ def test_gpu_presets_fit_their_stated_hardware(name: str, device: str) -> None:
     multiplier multiplies rollouts and the completion batch), so it holds whatever the schema accepts:
     every arm's plan fits the card the preset names below 90%, with checkpointing on and a micro-batch
     far below the optimizer step."""
-    from vpo.pipeline.plan import trl_defaults
+    from vpo.pipeline.config.fields import VPOConfigFields
 
+    defaults = {name: f.get_default(call_default_factory=True) for name, f in VPOConfigFields.model_fields.items()}
     preset, trainer = _preset(name)
     model_id = preset["model"]["path_or_id"]
     shape = ModelShape.from_config(json.loads(shipped_config(model_id).read_text()), name=model_id)
@@ -398,12 +409,11 @@ def test_gpu_presets_fit_their_stated_hardware(name: str, device: str) -> None:
     for arm in preset["arms"]:
         if arm.get("enabled") is False:
             continue
-        kw = {**trainer, **arm}
+        kw = {**defaults, **trainer, **arm}
         mult = arm.get("rollout_multiplier", 1)
         kw["num_generations"] = kw.get("num_generations", 8) * mult
         kw["per_device_train_batch_size"] = kw["per_device_train_batch_size"] * mult
-        s = TrainSettings.from_trl(kw, max_prompt_length=trainer["max_prompt_length"], param_dtype="bfloat16",
-                                   defaults=trl_defaults())
+        s = TrainSettings.from_trl(kw, max_prompt_length=trainer["max_prompt_length"], param_dtype="bfloat16")
         plan = plan_step(shape, s, parallel=Parallel(world, stage), device=DEVICES[device],
                          lora=LoraShape(r=lora["r"], alpha=lora["alpha"], target_modules=tuple(lora["target_modules"]))
                          if lora else None)

@@ -157,3 +157,17 @@ def test_rollout_and_slot_pools_differ_as_the_protocols_say() -> None:
         M.pool_best_at_k(chains, 1, pool="chains")
     with pytest.raises(ValueError, match="n\\*m = 30"):
         M.pool_best_at_k(chains, 31, pool="slots")
+
+
+def test_hedge_values_and_greedy_curve_by_hand() -> None:
+    """Two outcomes, equally likely: a safe candidate (0.6 either way) and two that each win one outcome.
+    One answer: the safe one (0.6); two: both specialists (1.0), which the greedy curve, starting
+    from the safe answer, reaches only at three."""
+    scal = np.array([[0.6, 0.6], [1.0, 0.0], [0.0, 1.0]])
+    probs = np.array([0.5, 0.5])
+    assert M.hedge_values(scal, probs, 3) == [0.6, 1.0, 1.0]
+    assert M.greedy_hedge_curve(scal, probs, 3) == [0.6, 0.8, 1.0]
+    with pytest.raises(ValueError, match="k_max must be 1, 2 or 3"):
+        M.hedge_values(scal, probs, 4)
+    with pytest.raises(ValueError, match="k_max must be >= 1"):
+        M.greedy_hedge_curve(scal, probs, 0)

@@ -1,9 +1,9 @@
-"""Independent stages side by side (vpo/pipeline/execution.py, runner.run_side_by_side): how many at
+"""Independent stages side by side (vpo/pipeline/engine/execution.py, runner.run_side_by_side): how many at
 once and with what, the plan's groups, the shared model cache, and what SIGTERM/Ctrl-C to `vpo run`
 and `vpo stage` leave behind (nothing they started).
 
 Fast tests use machines described in code (no hardware needed); the slow ones run the CLI on a
-prepared folder (data, rewards and a 1-layer base built once per session, tests/test_faults_support.py).
+prepared folder (data, rewards and a 1-layer base built once per session, tests/support/faults.py).
 """
 
 from __future__ import annotations
@@ -20,16 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_faults_support import RUN_NAME, VPO, copy_prepared, prepared_run, vpo_env
+from tests.support.faults import RUN_NAME, VPO, copy_prepared, prepared_run, vpo_env
+from tests.support.procs import Descendants
 from vpo.pipeline.config import load_pipeline
-from vpo.pipeline.execution import THREADS_ENV, Machine, execution_plan, stage_threads
-from vpo.pipeline.graph import plan
+from vpo.pipeline.engine.execution import THREADS_ENV, Machine, concurrency, stage_threads
 from vpo.pipeline.runner import independent_groups
-
-try:
-    from proc_watch import Descendants
-except ModuleNotFoundError:  # tests/ imported as a package
-    from tests.proc_watch import Descendants
+from vpo.pipeline.steps import steps_of
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -48,20 +44,20 @@ def _quick(**overrides: object) -> object:
 def test_default_parallelism_follows_cores_and_runs(no_thread_env: None) -> None:
     """4 runs on 2 cores: 1 thread each, 2 at once; 1 core: 1 at once; 64 cores: all 4, 16 threads each."""
     cfg = _quick()
-    two = execution_plan(cfg, 4, Machine(cores=2))
+    two = concurrency(cfg, 4, Machine(cores=2))
     assert (two.max_parallel, two.threads) == (2, 1) and "2 cores, no GPU, 1 thread per run" in two.reason
     assert [s.env()["OMP_NUM_THREADS"] for s in two.slots()] == ["1", "1"]
     assert all("CUDA_VISIBLE_DEVICES" not in s.env() for s in two.slots())
-    assert (execution_plan(cfg, 4, Machine(cores=1)).max_parallel, execution_plan(cfg, 4, Machine(1)).threads) == (1, 1)
-    big = execution_plan(cfg, 4, Machine(cores=64))
+    assert (concurrency(cfg, 4, Machine(cores=1)).max_parallel, concurrency(cfg, 4, Machine(1)).threads) == (1, 1)
+    big = concurrency(cfg, 4, Machine(cores=64))
     assert (big.max_parallel, big.threads) == (4, 16)
 
 
 def test_thread_count_never_depends_on_max_parallel(no_thread_env: None) -> None:
     """Sequential (max_parallel 1) and side by side: the same threads per run, so the same weights."""
     machine = Machine(cores=2)
-    seq = execution_plan(_quick(**{"execution.max_parallel": 1}), 4, machine)
-    par = execution_plan(_quick(), 4, machine)
+    seq = concurrency(_quick(**{"execution.max_parallel": 1}), 4, machine)
+    par = concurrency(_quick(), 4, machine)
     assert (seq.max_parallel, par.max_parallel) == (1, 2)
     assert seq.threads == par.threads == stage_threads(_quick(), machine=machine) == 1
     assert "execution.max_parallel 1" in seq.reason
@@ -71,7 +67,7 @@ def test_declared_threads_and_the_environment(no_thread_env: None, monkeypatch: 
     """execution.threads_per_stage, else OMP_NUM_THREADS, set the threads; the parent's choice
     (VPO_STAGE_THREADS in a stage process it started) wins over both."""
     machine = Machine(cores=2)
-    two = execution_plan(_quick(**{"execution.threads_per_stage": 2}), 4, machine)
+    two = concurrency(_quick(**{"execution.threads_per_stage": 2}), 4, machine)
     assert (two.max_parallel, two.threads) == (1, 2)
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert stage_threads(_quick(), machine=machine) == 2
@@ -84,15 +80,15 @@ def test_gpus_are_dealt_out_without_overlap(no_thread_env: None) -> None:
     """One GPU per run: as many at once as GPUs, each seeing its own; an accelerate config with 8
     processes: 8 GPUs per run; more runs than GPU slots asked for: capped, and the reason says so."""
     cfg = _quick()
-    four = execution_plan(cfg, 4, Machine(cores=16, gpus=("0", "1", "2", "3")))
+    four = concurrency(cfg, 4, Machine(cores=16, gpus=("0", "1", "2", "3")))
     assert four.max_parallel == 4 and four.threads == 4
     assert [s.env()["CUDA_VISIBLE_DEVICES"] for s in four.slots()] == ["0", "1", "2", "3"]
     accel = _quick(**{"trainer.accelerate_config": "infra/accelerate/deepspeed_zero2.yaml"})
     gpus = tuple(str(i) for i in range(16))
-    wide = execution_plan(accel, 4, Machine(cores=32, gpus=gpus))
+    wide = concurrency(accel, 4, Machine(cores=32, gpus=gpus))
     assert wide.devices_per_stage == 8 and wide.max_parallel == 2
     assert [s.env()["CUDA_VISIBLE_DEVICES"] for s in wide.slots()] == [",".join(gpus[:8]), ",".join(gpus[8:])]
-    capped = execution_plan(_quick(**{"execution.max_parallel": 4}), 4, Machine(cores=8, gpus=("0", "1")))
+    capped = concurrency(_quick(**{"execution.max_parallel": 4}), 4, Machine(cores=8, gpus=("0", "1")))
     assert capped.max_parallel == 2 and "capped at 2 by 2 GPUs" in capped.reason
 
 
@@ -109,7 +105,7 @@ def test_max_parallel_is_validated_where_it_is_written(tmp_path: Path) -> None:
 def test_training_runs_form_one_group_between_their_neighbours() -> None:
     """The plan in groups: data, rewards, base alone, the four training runs together, then evaluate,
     search and register alone."""
-    groups = independent_groups(plan(_quick()))
+    groups = independent_groups(steps_of(_quick()))
     labels = [[s.label for s in g] for g in groups]
     assert labels == [["data"], ["rewards"], ["base"],
                       ["train@grpo-s0", "train@vpo-s0", "train@grpo_x3-s0", "train@max_at_k-s0"],
@@ -120,7 +116,7 @@ _CACHE_USER = """
 import json, os, sys, time
 from pathlib import Path
 from vpo.atomic import atomic_dir
-from vpo.pipeline.locking import shared_cache_lock
+from vpo.pipeline.engine.locking import shared_cache_lock
 cache, out, log = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
 with shared_cache_lock(cache, "the test cache"):
     t0 = time.time()
@@ -214,7 +210,7 @@ def test_sigterm_to_vpo_stage_is_one_line_and_exit_143(
 ) -> None:
     """`vpo stage train` stopped while it trains: 143, one line with the stage and the command, nothing
     left running; the arm's lock is free again at once."""
-    from vpo.pipeline.locking import arm_lock_path, pipeline_lock
+    from vpo.pipeline.engine.locking import arm_lock_path, pipeline_lock
 
     config = _prepared_copy(tmp_path_factory, tmp_path)
     args = [str(VPO), "stage", "train", "--quick", "--config", str(config), "--arm", "vpo", "--seed", "0",
@@ -241,7 +237,7 @@ def test_sigterm_to_vpo_stage_is_one_line_and_exit_143(
 def test_os_environ_is_untouched_by_a_stage_slot() -> None:
     """A slot's environment is handed to the stage process only: this process keeps its own."""
     before = dict(os.environ)
-    execution_plan(_quick(), 4, Machine(cores=2)).slots()[0].env()
+    concurrency(_quick(), 4, Machine(cores=2)).slots()[0].env()
     assert dict(os.environ) == before
 
 
@@ -252,10 +248,10 @@ def test_a_failed_training_run_becomes_the_commands_one_error(tmp_path: Path) ->
     from collections import deque
     from types import SimpleNamespace
 
-    from vpo.pipeline.errors import StageError
-    from vpo.pipeline.fanout import StageProcessFailed, _failure
-    from vpo.pipeline.layout import RunLayout
-    from vpo.pipeline.locking import LockBusyError
+    from vpo.pipeline.config.layout import RunLayout
+    from vpo.pipeline.engine.errors import StageError
+    from vpo.pipeline.engine.fanout import StageProcessFailed, _failure
+    from vpo.pipeline.engine.locking import LockBusyError
 
     layout = RunLayout(tmp_path / "runs" / RUN_NAME, RUN_NAME)
 
@@ -277,16 +273,16 @@ def test_a_failed_training_run_becomes_the_commands_one_error(tmp_path: Path) ->
 def test_a_failed_process_stops_the_queue_and_the_call_returns(tmp_path: Path) -> None:
     """One slot, three commands, the first fails: the other two never start and the call raises the
     first's failure instead of waiting for slots that will never be asked for."""
-    from vpo.pipeline.execution import ExecutionPlan
-    from vpo.pipeline.fanout import StageProcessFailed, run_processes
-    from vpo.pipeline.layout import RunLayout
+    from vpo.pipeline.config.layout import RunLayout
+    from vpo.pipeline.engine.execution import Concurrency
+    from vpo.pipeline.engine.fanout import StageProcessFailed, run_processes
 
     layout = RunLayout(tmp_path / "runs" / RUN_NAME, RUN_NAME)
     layout.root.mkdir(parents=True)
     done: list[str] = []
     jobs = [("first", ["stage", "no-such-stage"]), ("second", ["pipelines"]), ("third", ["pipelines"])]
     with pytest.raises(StageProcessFailed) as err:
-        run_processes(jobs, ExecutionPlan(1, 1, 0, Machine(cores=2), "one slot"), layout=layout,
+        run_processes(jobs, Concurrency(1, 1, 0, Machine(cores=2), "one slot"), layout=layout,
                       on_done=done.append, poll_s=0.05)
     assert str(err.value).startswith("first exited with 2;") and "more:" not in str(err.value)
     assert done == []

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.trainer_fixtures import LetterReward, config, tiny_model_dir, toy_dataset
+from tests.support.trainers import LetterReward, config, tiny_model_dir, toy_dataset
 from vpo.sft import SFT_METRICS_FILE, LoraSettings, measure_parse_rate, parse_stats, train_sft
 from vpo.tasks.phrase import PhraseTask
 from vpo.tasks.route import RouteTask

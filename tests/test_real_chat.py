@@ -114,7 +114,7 @@ def test_format_warm_up_raises_the_parse_rate(chat_run: tuple[Path, str]) -> Non
         assert after[m]["parse_rate"] > before[m]["parse_rate"], (m, before, after)
     assert after["3"]["parse_rate"] >= 0.5, after
     assert not (base / "adapter_config.json").exists()  # merged: a plain model folder
-    assert "warm-up parse rate m=1 " in stdout and "base: warning" not in stdout, stdout
+    assert "warm-up parse rate num_answers=1 " in stdout and "base: warning" not in stdout, stdout
 
 
 def test_two_vpo_steps_learn_evaluate_and_register(chat_run: tuple[Path, str]) -> None:

@@ -10,36 +10,22 @@ import os
 import time
 from pathlib import Path
 
+import dvc  # noqa: F401 (DVC binds its log handler to sys.stderr on first import: not to a test's capture)
 import pytest
 
-from vpo.pipeline.checkpoints import (
+from tests.support.registry import make_checkpoint, metrics
+from vpo.pipeline.engine.checkpoints import (
     FileRecord,
     IncompleteCheckpointError,
     check_checkpoint,
     content_hash,
     manifest_hash,
 )
+from vpo.pipeline.engine.console import command
+from vpo.pipeline.engine.storage import scan_for_secrets
 from vpo.pipeline.registry import Registry, RegistryInputError
 from vpo.pipeline.registry.cli import main
 from vpo.pipeline.registry.entries import StorageUnavailableError
-from vpo.pipeline.storage import scan_for_secrets
-
-
-def make_checkpoint(root: Path, *, seed: int = 0, weights_size: int = 4096) -> Path:
-    """A small but complete HF-style model folder (config, weights, tokenizer, a run-specific file)."""
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "config.json").write_text(json.dumps({"model_type": "tiny"}))
-    (root / "model.safetensors").write_bytes(hashlib.sha256(str(seed).encode()).digest() * (weights_size // 32))
-    (root / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 64}))
-    (root / "training_args.bin").write_bytes(f"args of {root}".encode())
-    return root
-
-
-def metrics(best: dict[int, float], diversity: float = 1.0) -> dict:
-    """Metrics shaped like the pipeline's: training summary and one arm run's evaluation."""
-    return {"train": {"max_steps": 4}, "eval": {"best_at_k": {str(k): v for k, v in best.items()},
-                                                 "pass_at_k": {str(k): v / 2 for k, v in best.items()},
-                                                 "reward_diversity": diversity}}
 
 
 @pytest.fixture
@@ -242,7 +228,8 @@ def test_migrate_moves_an_older_registry_and_its_weights_still_fetch(tmp_path: P
     (old / "aliases" / "route" / "production.json").write_text(json.dumps({"alias": "production", "name": "route",
                                                                            "hash": digest, "set_at": "x"}))
     assert main(["--registry", str(old), "list"]) == 0
-    assert "older registry layout: run `vpo registry migrate`" in capsys.readouterr().err
+    assert f"older registry layout: run `{command('registry', 'migrate', '--registry', str(old))}`" in \
+        capsys.readouterr().err
     assert main(["--registry", str(old), "migrate"]) == 0
     assert "alias route@production -> stage production of route-vpo-s0" in capsys.readouterr().out
     reg = Registry(old, tmp_path)
@@ -277,3 +264,28 @@ def test_s3_registry_round_trip_and_one_line_errors_while_the_endpoint_is_down(t
             assert err.count("\n") == 1 and err.startswith("error: registry s3://"), err
             assert "Traceback" not in err
     assert Registry(url, tmp_path).get("latest") == entry  # nothing was lost
+
+
+def test_a_name_arm_registry_or_metric_that_matches_nothing_says_which(reg: Registry, tmp_path: Path,
+                                                                        capsys) -> None:
+    """Every verb either answers or fails with exit 2 and one line naming what matched nothing."""
+    add(reg, make_checkpoint(tmp_path / "a"), metrics=metrics({1: 0.5}))
+    cases = [(["list", "--name", "route"], ("--name 'route' matches no entry (variants and artifacts: route-quick, "
+                                            "route-quick-vpo-s0")),
+             (["best", "--name", "route"], "--name 'route' matches no entry"),
+             (["best", "--arm", "grpo-s0"], "--arm 'grpo-s0' matches no entry (arm runs: vpo-s0"),
+             (["best", "--metric", "eval.nope"], "no entry has metric 'eval.nope'"),
+             (["show", "route@latest"], "no entry is named 'route'"),
+             (["promote", "route-quick-vpo-s0", "--stage", "production", "--remove"],
+              "is not in stage production (its stages: none); nothing to remove")]
+    for argv, message in cases:
+        assert cli(reg, *argv) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, (argv, err)
+    assert main(["--registry", "", "list"]) == 2
+    assert "--registry is empty" in capsys.readouterr().err
+    assert main(["--registry", str(tmp_path / "elsewhere"), "--repo", str(tmp_path), "list"]) == 2
+    assert "(--registry) does not exist: nothing is at that path; check the URL" in capsys.readouterr().err
+    (tmp_path / "blank").mkdir()
+    assert main(["--registry", str(tmp_path / "blank"), "--repo", str(tmp_path), "list"]) == 0  # empty, but there
+    assert "no entries in" in capsys.readouterr().out

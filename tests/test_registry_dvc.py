@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.test_registry import make_checkpoint, metrics
-from vpo.pipeline.checkpoints import content_hash
+from tests.support.registry import make_checkpoint, metrics
+from tests.support.repos import QuickRun, copy_repo
+from vpo.pipeline.engine.checkpoints import content_hash
 from vpo.pipeline.registry import Registry
 from vpo.pipeline.registry.cli import main
 
@@ -151,40 +152,17 @@ def test_tags_that_cannot_be_written_fall_back_to_the_registrys_record(project: 
 # --------------------------------------------------------------------------- vpo run and dvc.lock
 
 
-def _tiny_dvc_project(folder: Path) -> Path:
-    """A git + DVC project whose pipeline is the quick route preset on the 1-layer test model, cut to
-    two arms, a few SFT steps and no search; dvc.yaml and params.yaml generated for it, all committed."""
-    from tests.test_faults_support import write_pipelines
-
-    path = write_pipelines(folder)
-    raw = yaml.safe_load(path.read_text())
-    quick = raw["pipelines"]["route"]["quick"]
-    quick["sft"]["steps"] = 8
-    quick.setdefault("arms", {}).update(grpo_x3={"enabled": False}, max_at_k={"enabled": False})
-    quick["search"] = {"enabled": False}
-    path.write_text(yaml.safe_dump(raw, sort_keys=False))
-    for name in ("bin", "vpo"):  # dvc.yaml's commands and code dependencies
-        shutil.copytree(REPO / name, folder / name, ignore=shutil.ignore_patterns("__pycache__"))
-    for name in (".dvcignore", ".gitignore"):
-        shutil.copy(REPO / name, folder / name)
-    sh("git", "init", "-q", "-b", "main", cwd=folder)
-    sh("dvc", "init", "-q", cwd=folder)
-    sh(sys.executable, "-m", "vpo.pipeline.cli", "dvc", cwd=folder)
-    sh("git", "add", "-A", cwd=folder)
-    sh("git", "commit", "-qm", "project", cwd=folder)
-    return folder
-
-
 @pytest.mark.slow
-def test_after_vpo_run_dvc_finds_every_stage_up_to_date_and_models_version_once_committed(tmp_path: Path) -> None:
-    """`vpo run --quick` records what it ran in dvc.lock: `dvc status` and `dvc repro` agree with vpo
-    (nothing re-runs); committing dvc.lock then lets `vpo stage register` tag GTO versions."""
-    from tests.test_faults_support import run_vpo
+def test_after_vpo_run_dvc_finds_every_stage_up_to_date_and_models_version_once_committed(
+        quick_repo: QuickRun, tmp_path: Path) -> None:
+    """`vpo run --quick` (the session's, conftest ``quick_repo``) recorded what it ran in dvc.lock: `dvc
+    status` and `dvc repro` agree with vpo (nothing re-runs); committing dvc.lock then lets `vpo stage
+    register` tag GTO versions."""
+    from tests.support.faults import run_vpo
 
-    repo = _tiny_dvc_project(tmp_path / "proj")
-    proc = run_vpo(["run", "--quick"], repo, timeout=900, env=GIT_ID)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert re.search(r"dvc\.lock: recorded \d+ stages \(dvc commit\)", proc.stdout) and "no GTO version for grpo-s0, vpo-s0: HEAD has no committed dvc.lock" in proc.stdout
+    assert re.search(r"dvc\.lock: recorded \d+ stages \(dvc commit\)", quick_repo.stdout)
+    assert re.search(r"no GTO version for grpo-s0, vpo-s0\b.*: HEAD has no committed dvc\.lock", quick_repo.stdout)
+    repo = quick_repo.copy(tmp_path / "proj")
     assert "Data and pipelines are up to date" in sh("dvc", "status", cwd=repo)
     repro = sh("dvc", "repro", cwd=repo)
     assert "Running stage" not in repro and "didn't change, skipping" in repro
@@ -200,10 +178,10 @@ def test_after_vpo_run_dvc_finds_every_stage_up_to_date_and_models_version_once_
 def test_a_run_with_other_settings_than_params_yaml_leaves_dvc_lock_alone(tmp_path: Path) -> None:
     """`vpo run --set ...` must not record its outputs under params.yaml's settings; outside a DVC
     project, or for a variant dvc.yaml does not declare, nothing is recorded either, and each says why."""
-    from tests.test_faults_support import write_pipelines
+    from tests.support.faults import write_pipelines
     from vpo.pipeline.config import load_pipeline
-    from vpo.pipeline.dvcgen import main as dvc_main
-    from vpo.pipeline.dvcrecord import unmanaged_reason
+    from vpo.pipeline.dvc.generate import main as dvc_main
+    from vpo.pipeline.dvc.record import unmanaged_reason
 
     path = write_pipelines(tmp_path)
     assert dvc_main(["--config", str(path)]) == 0
@@ -226,13 +204,11 @@ def test_quick_pipeline_on_an_s3_remote_promoted_arm_comes_back_byte_identical_i
     other buckets, some of them unreachable), commits its dvc.lock, registers (GTO versions) and promotes
     vpo-s0 to production; a fresh clone gets byte-identical weights with `vpo registry fetch production`
     and `dvc artifacts get --stage production`, and `gto show` lists the stage."""
-    from tests.test_faults_support import run_vpo
-    from vpo.pipeline.storage import configure_dvc_remote
+    from tests.support.faults import run_vpo
+    from vpo.pipeline.engine.storage import configure_dvc_remote
 
     assert quick_flow.state.is_completed(), quick_flow.state.message
-    repo, clone = tmp_path / "repo", tmp_path / "clone"
-    skip = quick_flow.repo / ".dvc" / "tmp"
-    shutil.copytree(quick_flow.repo, repo, symlinks=True, ignore=lambda d, names: names if Path(d) == skip else [])
+    repo, clone = copy_repo(quick_flow.repo, tmp_path / "repo"), tmp_path / "clone"
     bucket = s3_bucket
     config = repo / "pipelines.yaml"
     raw = yaml.safe_load(config.read_text())
@@ -260,3 +236,67 @@ def test_quick_pipeline_on_an_s3_remote_promoted_arm_comes_back_byte_identical_i
     shown = yaml.safe_load(sh("gto", "show", "--json", cwd=clone))
     assert shown["route-quick-vpo-s0"]["stage"]["production"] == "v0.0.1"
     assert shown["route-quick-grpo-s0"]["version"] == "v0.0.1"
+
+
+def test_promote_remove_takes_the_stage_away_the_gto_way(project: Path, tmp_path: Path, capsys) -> None:
+    """`promote KEY --stage S --remove` on a GTO version writes GTO's unassign tag: `gto show` no longer
+    lists the stage. Removing a stage the version is not in changes nothing and says so (exit 2)."""
+    reg_dir = tmp_path / "registry"
+    register(project, reg_dir)
+    args = ["--registry", str(reg_dir), "--repo", str(project)]
+    assert main([*args, "promote", "q-vpo-s0@v0.0.1", "--stage", "production"]) == 0
+    assert "production" in sh("gto", "show", cwd=project)
+    capsys.readouterr()
+    assert main([*args, "promote", "q-vpo-s0@v0.0.1", "--stage", "production", "--remove"]) == 0
+    out = capsys.readouterr().out
+    assert "q-vpo-s0 " in out and "left stage production (GTO: a q-vpo-s0#production! tag" in out, out
+    shown = sh("gto", "show", cwd=project)
+    assert "production" not in shown and "v0.0.1" in shown, shown
+    assert not yaml.safe_load(sh("gto", "show", "--json", cwd=project))["q-vpo-s0"]["stage"].get("production")
+    assert not (reg_dir / "stages").exists()  # no record of the registry's own stands in for the tag
+    assert main([*args, "promote", "q-vpo-s0@v0.0.1", "--stage", "production", "--remove"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not in stage production (its stages: none); nothing to remove" in err
+
+
+def test_list_marks_versions_known_from_git_tags_only(project: Path, tmp_path: Path, capsys) -> None:
+    """A registry without entries for the repository's GTO versions (a clone, a fresh folder): list
+    shows the versions marked as such, verify checks their weights against the tag's content hash and
+    says so; a registry URL with nothing behind it is an error naming it, not rows from the tags."""
+    register(project, tmp_path / "registry")
+    empty = tmp_path / "empty-registry"
+    empty.mkdir()
+    args = ["--repo", str(project)]
+    assert main(["--registry", str(empty), *args, "list"]) == 0
+    captured = capsys.readouterr()
+    assert "v0.0.1 (tag only)" in captured.out and "come from the repository's GTO tags only" in captured.err
+    assert main(["--registry", str(empty), *args, "verify"]) == 0
+    out = capsys.readouterr().out
+    assert "its git tag's content hash" in out and "1/1 entries verified (1 of them from git tags only" in out
+    for verb in ("list", "verify", "best"):
+        assert main(["--registry", str(tmp_path / "typo"), *args, verb]) == 2
+        err = capsys.readouterr().err
+        assert f"registry {tmp_path / 'typo'} (--registry) does not exist" in err and err.count("\n") == 1, err
+
+
+def test_the_cards_fetch_command_runs_as_printed(project: Path, tmp_path: Path) -> None:
+    """The model card's command, run by a shell with no virtualenv on PATH from the project's root,
+    gets the model back (an unversioned entry: by md5 through DVC's cache)."""
+    shutil.copytree(REPO / "bin", project / "bin")
+    (project / ".venv").symlink_to(Path(sys.executable).parents[1])
+    reg_dir = tmp_path / "registry"
+    make_checkpoint(project / MODEL, seed=3)  # not what HEAD's dvc.lock records: no version
+    from dvc.repo import Repo
+
+    with Repo(str(project)) as dvc:
+        dvc.commit(f"{project}/dvc.yaml:train", force=True)
+    entry, why = register(project, reg_dir)
+    assert entry.version is None and why
+    card = (reg_dir / "entries" / entry.artifact / f"{entry.hash}.md").read_text()
+    line = card.split("```bash\n", 1)[1].split("\n", 1)[0]
+    assert line.startswith("bin/vpo registry fetch "), card
+    done = subprocess.run(["sh", "-c", line], cwd=project, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
+                          "VPO_REGISTRY": str(reg_dir), **GIT_ID}, capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert content_hash(project / "model") == entry.hash

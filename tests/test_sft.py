@@ -69,6 +69,7 @@ def trained(tmp_path_factory):
     return task, out
 
 
+@pytest.mark.slow
 def test_short_run_loss_falls_and_checkpoint_loads(trained) -> None:
     _task, out = trained
     metrics = json.loads((out / SFT_METRICS_FILE).read_text())

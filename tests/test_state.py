@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from vpo.pipeline.state import (
+from vpo.pipeline.engine.state import (
     Fingerprint,
     content_digest,
     describe_changes,
@@ -106,9 +106,9 @@ def test_runner_skips_records_rebuilds_and_cleans(tmp_path: Path, capsys: pytest
     with the reason, when a setting it reads changed; a setting it does not read changes nothing; a
     temp folder left by a killed run is removed before the stage runs again."""
     from vpo.pipeline.config import load_pipeline
-    from vpo.pipeline.graph import plan
-    from vpo.pipeline.layout import RunLayout
+    from vpo.pipeline.config.layout import RunLayout
     from vpo.pipeline.runner import run_step, staleness
+    from vpo.pipeline.steps import steps_of
 
     data = yaml.safe_load((REPO / "pipelines.yaml").read_text())
     data["pipelines"] = {"route": data["pipelines"]["route"]}
@@ -117,7 +117,7 @@ def test_runner_skips_records_rebuilds_and_cleans(tmp_path: Path, capsys: pytest
 
     def step_of(**overrides: object) -> tuple[object, object]:
         cfg = load_pipeline("route", config, quick=True, overrides=overrides or None)
-        return cfg, plan(cfg, ["data"])[0]
+        return cfg, steps_of(cfg, ["data"])[0]
 
     cfg, step = step_of()
     layout = RunLayout.of(cfg)
@@ -146,16 +146,15 @@ def test_runner_skips_records_rebuilds_and_cleans(tmp_path: Path, capsys: pytest
     OSError(28, "No space left on device"),
     RuntimeError("[enforce fail at inline_container.cc:778] . unexpected pos 6400 vs 6294"),
 ])
-def test_a_full_disk_is_one_clear_error(tmp_path: Path, error: BaseException) -> None:
+def test_a_full_disk_is_one_clear_error(tmp_path: Path, error: BaseException,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Whatever layer hits the full disk (Python's OSError, torch's writer), the step ends with one
     StageError naming the output folder and what to do."""
-    from dataclasses import replace
-
     from vpo.pipeline.config import load_pipeline
-    from vpo.pipeline.errors import StageError
-    from vpo.pipeline.graph import Step, stage
-    from vpo.pipeline.layout import arm_runs
+    from vpo.pipeline.config.layout import arm_runs
+    from vpo.pipeline.engine.errors import StageError
     from vpo.pipeline.runner import run_step
+    from vpo.pipeline.steps import Step, stage
 
     data = yaml.safe_load((REPO / "pipelines.yaml").read_text())
     data["pipelines"] = {"route": data["pipelines"]["route"]}
@@ -165,7 +164,8 @@ def test_a_full_disk_is_one_clear_error(tmp_path: Path, error: BaseException) ->
     def full(ctx: object) -> dict:
         raise error
 
-    step = Step(replace(stage("train"), run=full), run=arm_runs(cfg)[0])
+    monkeypatch.setattr("vpo.pipeline.stages.train.run", full)
+    step = Step(stage("train"), run=arm_runs(cfg)[0])
     with pytest.raises(StageError) as err:
         run_step(cfg, step, progress=False)
     assert str(err.value).startswith("train@grpo-s0: the disk holding ")
@@ -176,15 +176,16 @@ def test_a_full_disk_is_one_clear_error(tmp_path: Path, error: BaseException) ->
         raise other
 
     with pytest.raises(RuntimeError, match="a plain bug"):  # not every error is a full disk
-        run_step(cfg, Step(replace(stage("data"), run=buggy)), progress=False)
+        monkeypatch.setattr("vpo.pipeline.stages.data.run", buggy)
+        run_step(cfg, Step(stage("data")), progress=False)
 
 
 def test_adding_a_seed_leaves_the_existing_runs_up_to_date(tmp_path: Path) -> None:
     """A run's request is its arm's settings and its own seed: another seed in the arm's list does not
     make it stale, while a setting of that arm does."""
     from vpo.pipeline.config import load_pipeline
-    from vpo.pipeline.graph import plan
     from vpo.pipeline.runner import fingerprint
+    from vpo.pipeline.steps import steps_of
 
     def train_fp(**arm: object) -> dict:
         raw = yaml.safe_load((REPO / "pipelines.yaml").read_text(encoding="utf-8"))
@@ -193,7 +194,7 @@ def test_adding_a_seed_leaves_the_existing_runs_up_to_date(tmp_path: Path) -> No
         path = tmp_path / "pipelines.yaml"
         path.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
         cfg = load_pipeline("route", path)
-        step = next(s for s in plan(cfg) if s.label == "train@vpo-s0")
+        step = next(s for s in steps_of(cfg) if s.label == "train@vpo-s0")
         return fingerprint(cfg, step).params
 
     one = train_fp(seeds=[0])

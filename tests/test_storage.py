@@ -1,4 +1,4 @@
-"""vpo.pipeline.storage: one set of AWS_* env vars for s3fs/DVC, secret redaction, and atomic writes that
+"""vpo.pipeline.engine.storage: one set of AWS_* env vars for s3fs/DVC, secret redaction, and atomic writes that
 leave the old or the new artifact after an injected crash, never a torn one."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from vpo.atomic import (
     atomic_write_text,
     remove_stale_temps,
 )
-from vpo.pipeline.storage import (
+from vpo.pipeline.engine.storage import (
     RedactingFilter,
     S3Settings,
     StorageError,

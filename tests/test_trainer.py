@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.trainer_fixtures import LetterReward, config, tiny_model_dir, toy_dataset
+from tests.support.trainers import LetterReward, config, tiny_model_dir, toy_dataset
 
 pytestmark = pytest.mark.slow
 
@@ -243,7 +243,7 @@ def test_two_process_torchrun_ranks_agree(tmp_path: Path, model_dir: Path) -> No
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-           "-m", "tests.trainer_fixtures", str(model_dir), str(tmp_path)]
+           "-m", "tests.support.trainers", str(model_dir), str(tmp_path)]
     proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
                           timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -351,7 +351,7 @@ def test_lora_run_resumes_from_its_checkpoints_and_publishes_the_merged_model(
 
     from safetensors.torch import load_file
 
-    from tests.test_faults_support import RUN_NAME, copy_prepared, prepared_run, start_wrapper, wait_for
+    from tests.support.faults import RUN_NAME, copy_prepared, prepared_run, start_wrapper, wait_for
 
     args = ["stage", "train", "--quick", "--config", "pipelines.yaml", "--arm", "vpo", "--seed", "0",
             "--set", "trainer.max_steps=6", "--set", "trainer.save_steps=2", "--set", "arms.vpo.max_completion_length=32",

@@ -13,14 +13,10 @@ import socket
 import subprocess
 import urllib.request
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-try:
-    from proc_watch import Descendants
-except ModuleNotFoundError:  # tests/ imported as a package
-    from tests.proc_watch import Descendants
+from tests.support.procs import Descendants
 
 pytestmark = pytest.mark.integration
 
@@ -133,10 +129,7 @@ def _read_until(proc: subprocess.Popen[str], marker: str, timeout: float = 300) 
 
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    try:
-        from flows_fixtures import tool_env
-    except ModuleNotFoundError:
-        from tests.flows_fixtures import tool_env
+    from tests.support.repos import tool_env
 
     env = tool_env(PREFECT_HOME=str(tmp_path / "prefect-home"), OMP_NUM_THREADS="1", **extra)
     if "PREFECT_API_URL" not in extra:
@@ -145,58 +138,9 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 
 def _repo(tmp_path: Path) -> Path:
-    try:
-        from flows_fixtures import make_repo
-    except ModuleNotFoundError:
-        from tests.flows_fixtures import make_repo
+    from tests.support.repos import make_repo
 
     return make_repo(tmp_path / "repo")
-
-
-def _sigterm_while_base_runs(tmp_path: Path, args: list[str], started: tuple[str, ...]) -> tuple[int, str, Any]:
-    """Run `vpo ARGS` in a fresh repository, SIGTERM it once the base stage runs and the processes
-    matching ``started`` are up; return its exit code, its output and the descendants it had."""
-    import signal
-
-    proc = _start(args, _repo(tmp_path), _env(tmp_path))
-    with Descendants(proc.pid) as watch:
-        seen = _read_until(proc, "[vpo] base:")  # the flow's log lines: the base stage is running
-        watch.snapshot()
-        assert all(watch.matching(text) for text in started), watch.seen
-        proc.send_signal(signal.SIGTERM)
-        rest, _ = proc.communicate(timeout=120)
-    return proc.returncode, "".join(seen) + rest, watch
-
-
-@pytest.mark.slow
-def test_sigterm_during_vpo_ui_leaves_no_server_or_stage_running(tmp_path: Path) -> None:
-    """`vpo ui --quick` gets SIGTERM while the flow runs a stage: it exits (143) with one line, and no
-    process it started -- the Prefect server, the stage's `dvc repro` and `vpo stage` -- is left."""
-    from flows.server import _healthy
-
-    port = _free_port()
-    code, out, watch = _sigterm_while_base_runs(tmp_path, ["ui", "--quick", "--port", str(port)],
-                                                ("server start", "stage base"))
-    assert code == 143, out[-3000:]
-    lines = [ln for ln in out.splitlines() if "stopped by SIGTERM" in ln]
-    assert len(lines) == 1 and lines[0].startswith(
-        "[vpo] stopped by SIGTERM; the local Prefect server and the running stage were stopped"), out[-3000:]
-    assert "Traceback" not in out, out[-3000:]
-    assert watch.alive() == []
-    assert not _healthy(f"http://127.0.0.1:{port}/api")
-
-
-@pytest.mark.slow
-def test_sigterm_during_vpo_flow_stops_the_stage_and_prefects_temporary_server(tmp_path: Path) -> None:
-    """`vpo flow --quick` without PREFECT_API_URL runs against a temporary server Prefect starts (a
-    uvicorn child); SIGTERM while a stage runs: exit 143, one line, no traceback, and neither the
-    stage's processes nor the temporary server outlive the command."""
-    code, out, watch = _sigterm_while_base_runs(tmp_path, ["flow", "--quick"], ("uvicorn", "stage base"))
-    assert code == 143, out[-3000:]
-    lines = [ln for ln in out.splitlines() if "stopped by SIGTERM" in ln]
-    assert len(lines) == 1 and lines[0].startswith("[vpo] stopped by SIGTERM; the running stages"), out[-3000:]
-    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
-    assert watch.alive() == []
 
 
 def test_vpo_serve_refuses_a_server_that_does_not_answer(tmp_path: Path) -> None:
@@ -246,6 +190,7 @@ def test_vpo_serve_starts_its_server_serves_one_run_at_a_time_and_stops_cleanly(
         rest, _ = proc.communicate(timeout=120)
     out = "".join(seen) + rest
     assert proc.returncode == 143, out[-3000:]
-    assert "[vpo] stopped by SIGTERM; the served deployment's runs and the local Prefect server were stopped" in rest
+    assert ("[vpo] stopped by SIGTERM; the served deployment's runs were cancelled and its schedule paused; the local "
+            "Prefect server was stopped") in rest
     assert "Traceback" not in rest, rest[-3000:]
     assert watch.alive() == [] and not _healthy(api)

@@ -27,10 +27,7 @@ from typing import Any
 import pytest
 import yaml
 
-try:
-    from flows_fixtures import DVC, REPO, make_repo, run, tool_env
-except ModuleNotFoundError:  # tests/ imported as a package
-    from tests.flows_fixtures import DVC, REPO, make_repo, run, tool_env
+from tests.support.repos import DVC, REPO, make_repo, run, tool_env
 
 # about two minutes on a quiet 2-core machine; a loaded one (other suites at once) can take ten times that
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(2400)]
@@ -78,7 +75,7 @@ class Started:
         return proc
 
     def stop(self) -> None:
-        from vpo.pipeline.processes import kill_group
+        from vpo.pipeline.engine.processes import kill_group
 
         for _, proc, _ in reversed(self.procs):
             kill_group(proc)
@@ -148,7 +145,7 @@ def test_two_arms_train_at_the_same_time_on_two_workers(pool: dict[str, Any]) ->
     deployment, the two run on different workers (checkouts) at overlapping times, the flow pulls their
     outputs, evaluates and registers; the registry verifies against the workspace, `dvc status` is clean
     and the remote holds every output."""
-    from vpo.pipeline.checkpoints import content_hash
+    from vpo.pipeline.engine.checkpoints import content_hash
     from vpo.pipeline.registry import Registry
 
     repo, root = pool["repo"], pool["root"]

@@ -20,17 +20,39 @@ DEFAULT_TAG = "answer"
 ChatPrompt = list[dict[str, Any]]
 
 
-def multi_answer_instruction(m: int, tag: str = DEFAULT_TAG) -> str:
-    """The instruction appended to a prompt asking for m genuinely different answers in numbered tags."""
+def numbered_tags(m: int, tag: str = DEFAULT_TAG) -> str:
+    """``<tag_1>...</tag_1>, ..., <tag_m>...</tag_m>``: the numbered answer tags of an m-answer format."""
     if m < 1:
         raise ValueError(f"m must be >= 1, got {m}")
+    return ", ".join(f"<{tag}_{i}>...</{tag}_{i}>" for i in range(1, m + 1))
+
+
+def multi_answer_instruction(m: int, tag: str = DEFAULT_TAG) -> str:
+    """The instruction appended to a prompt asking for m genuinely different answers in numbered tags."""
+    tags = numbered_tags(m, tag)
     if m == 1:
         return f"Give your final answer inside <{tag}_1></{tag}_1>."
-    tags = ", ".join(f"<{tag}_{i}>...</{tag}_{i}>" for i in range(1, m + 1))
     return (
         f"Give {m} genuinely different answers, each one complete on its own, "
         f"in numbered tags: {tags}. Later answers should differ from earlier ones."
     )
+
+
+def append_to_prompt(prompt: str | ChatPrompt, text: str, *, separator: str = "\n\n", chat_label: str = "",
+                     what: str = "the text") -> str | ChatPrompt:
+    """``prompt`` with ``text`` appended: a text prompt after ``separator``; a chat prompt (a list of
+    role/content dicts) at the end of its last user message, after a blank line and ``chat_label``.
+    The input is never mutated; ``what`` names the text in the error for a chat without a user turn."""
+    if isinstance(prompt, str):
+        return f"{prompt.rstrip()}{separator}{text}"
+    if not isinstance(prompt, list) or not all(isinstance(msg, Mapping) for msg in prompt):
+        raise TypeError(f"prompt must be a str or a list of chat messages, got {type(prompt).__name__}")
+    messages = [dict(msg) for msg in prompt]
+    for msg in reversed(messages):
+        if msg.get("role") == "user":
+            msg["content"] = f"{str(msg.get('content', '')).rstrip()}\n\n{chat_label}{text}"
+            return messages
+    raise ValueError(f"chat prompt has no user message to attach {what} to")
 
 
 def add_instruction(prompt: str | ChatPrompt, m: int, tag: str = DEFAULT_TAG) -> str | ChatPrompt:
@@ -41,17 +63,8 @@ def add_instruction(prompt: str | ChatPrompt, m: int, tag: str = DEFAULT_TAG) ->
     format spec living in the system prompt stays authoritative (VPO_SPEC 1.2, ToolRL).
     The input is never mutated.
     """
-    text = multi_answer_instruction(m, tag)
-    if isinstance(prompt, str):
-        return f"{prompt.rstrip()}\n{text}"
-    if not isinstance(prompt, list) or not all(isinstance(msg, Mapping) for msg in prompt):
-        raise TypeError(f"prompt must be a str or a list of chat messages, got {type(prompt).__name__}")
-    messages = [dict(msg) for msg in prompt]
-    for msg in reversed(messages):
-        if msg.get("role") == "user":
-            msg["content"] = f"{str(msg.get('content', '')).rstrip()}\n\nADDITIONAL INSTRUCTION: {text}"
-            return messages
-    raise ValueError("chat prompt has no user message to attach the multi-answer instruction to")
+    return append_to_prompt(prompt, multi_answer_instruction(m, tag), separator="\n",
+                            chat_label="ADDITIONAL INSTRUCTION: ", what="the multi-answer instruction")
 
 
 def parse_answers(text: str, m: int, tag: str = DEFAULT_TAG) -> list[str]:

@@ -80,9 +80,11 @@ def atomic_write_text(
     return atomic_write_bytes(path, text.encode(encoding), fsync=fsync)
 
 
-def atomic_write_json(path: str | os.PathLike[str], obj: Any, *, indent: int = 2, fsync: bool = True) -> Path:
-    """Atomically write ``obj`` as JSON with sorted keys (stable bytes, so DVC hashes are stable)."""
-    text = json.dumps(obj, indent=indent, sort_keys=True, default=_json_default) + "\n"
+def atomic_write_json(path: str | os.PathLike[str], obj: Any, *, indent: int | None = 2, sort_keys: bool = True,
+                      allow_nan: bool = True, fsync: bool = True) -> Path:
+    """Atomically write ``obj`` as JSON, by default with sorted keys (stable bytes, so DVC hashes are
+    stable); ``allow_nan=False`` refuses NaN and infinities (strict JSON) instead of writing them."""
+    text = json.dumps(obj, indent=indent, sort_keys=sort_keys, allow_nan=allow_nan, default=_json_default) + "\n"
     return atomic_write_text(path, text, fsync=fsync)
 
 

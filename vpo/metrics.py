@@ -19,6 +19,8 @@ __all__ = [
     "dirichlet_weights",
     "expected_weighted_best_at_k",
     "fair_num_rollouts",
+    "greedy_hedge_curve",
+    "hedge_values",
     "mean_offdiag_correlation",
     "pareto_fraction",
     "pass_at_k",
@@ -187,3 +189,34 @@ def mean_offdiag_correlation(rewards: np.ndarray) -> float:
     c = np.corrcoef(r, rowvar=False)
     iu = np.triu_indices(c.shape[0], 1)
     return float(c[iu].mean())
+
+
+def hedge_values(scal: np.ndarray, probs: np.ndarray, k_max: int = 3) -> list[float]:
+    """Best expected best-of-k for k = 1..k_max (at most 3) when the k candidates, rows of ``scal``
+    (candidate x outcome scores), are chosen before the outcome (distributed as ``probs``) is seen;
+    exhaustive over the candidates. The gap between k = 1 and k > 1 is what hedging is worth."""
+    if not 1 <= k_max <= 3:
+        raise ValueError(f"k_max must be 1, 2 or 3, got {k_max}")
+    values = [float((scal @ probs).max())]
+    if k_max >= 2:
+        pair = np.maximum(scal[:, None, :], scal[None, :, :])
+        values.append(float((pair @ probs).max()))
+    if k_max >= 3:  # exact: fix the first candidate, search pairs for the rest
+        values.append(max(float((np.maximum(pair, s) @ probs).max()) for s in scal))
+    return values
+
+
+def greedy_hedge_curve(scal: np.ndarray, probs: np.ndarray, k_max: int) -> list[float]:
+    """Greedy best-of-k for k = 1..k_max on the same inputs as :func:`hedge_values`: add, one at a
+    time, the candidate that raises the expected best most. Expected best-of-k is monotone
+    submodular in the set, so entry k is within a factor 1 - 1/e of the optimum (exact at k = 1)."""
+    if k_max < 1:
+        raise ValueError(f"k_max must be >= 1, got {k_max}")
+    cur = np.zeros(len(probs))
+    out = []
+    for _ in range(k_max):
+        gains = np.maximum(scal, cur) @ probs
+        i = int(gains.argmax())
+        cur = np.maximum(cur, scal[i])
+        out.append(float(gains[i]))
+    return out

@@ -37,6 +37,7 @@ from accelerate.utils import gather, gather_object
 from trl import GRPOConfig, GRPOTrainer
 
 from vpo.advantages import (
+    EstimatorInputs,
     RewardBatch,
     get_estimator,
     present_dims,
@@ -46,6 +47,7 @@ from vpo.advantages import (
 from vpo.metrics import reward_diversity
 from vpo.rewards import VectorReward, score_set
 from vpo.shared_prefix import SharedPrefixMixin
+from vpo.trainer_fields import declared
 
 __all__ = ["LowParseRateWarning", "ParseRateError", "VPOConfig", "VPOTrainer", "completion_text",
            "dimension_reward_funcs"]
@@ -62,61 +64,24 @@ class ParseRateError(RuntimeError):
 warnings.simplefilter("always", LowParseRateWarning)  # one per step, never folded into the first
 
 
-def _trl_field(name: str, choices: Sequence[str]) -> Any:
-    """GRPOConfig's field ``name`` (same default and help) with the values TRL 1.16 accepts declared as
-    ``choices``: TRL checks them only deep inside training, a config loader can check them up front."""
-    parent = GRPOConfig.__dataclass_fields__[name]
-    return field(default=parent.default, metadata={**parent.metadata, "choices": list(choices)})
-
-
 @dataclass
 class VPOConfig(GRPOConfig):
-    """GRPOConfig plus the advantage estimator and its settings (VPO_SPEC 1.4-1.5, 6). Bounds and choices
-    are declared in each field's metadata (``ge``/``gt``/``le``, ``choices``; for a few of TRL's string
-    fields too): checked here and, without importing TRL, when a pipeline config loads
-    (:mod:`vpo.pipeline.settings`)."""
+    """GRPOConfig plus the advantage estimator and its settings (VPO_SPEC 1.4-1.5, 6): each one's type,
+    default, bounds and help are declared once, in :class:`vpo.trainer_fields.VPOFields` (read here
+    and by the pipeline's schema, which checks a config's values before TRL is imported)."""
 
-    loss_type: str = _trl_field("loss_type", ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"))
-    scale_rewards: str = _trl_field("scale_rewards", ("group", "batch", "none"))
-    multi_objective_aggregation: str = _trl_field("multi_objective_aggregation",
-                                                  ("sum_then_normalize", "normalize_then_sum"))
-    importance_sampling_level: str = _trl_field("importance_sampling_level", ("token", "sequence"))
-    vllm_mode: str = _trl_field("vllm_mode", ("colocate", "server"))
     estimator: str = field(default="vpo", metadata={"help": "Registered advantage estimator (vpo, grpo, gdpo, ...)."})
-    num_answers: int = field(default=3, metadata={"help": "m: answers per rollout (1 = single-answer format).",
-                                                  "ge": 1})
-    num_weights: int = field(default=100, metadata={"help": "K: Dirichlet weightings per prompt group.", "ge": 1})
-    weight_alpha: float = field(default=1.0, metadata={"help": "Dirichlet concentration alpha.", "gt": 0})
-    weight_sampler: str = field(default="dirichlet", metadata={"help": "'dirichlet' (iid) or 'sobol' (QMC).",
-                                                               "choices": ["dirichlet", "sobol"]})
-    w_star: list[float] | None = field(default=None, metadata={"help": "Fixed scalarisation for baselines/logging."})
-    advantage_eps: float = field(default=1e-6, metadata={"help": "eps of the group z-score.", "gt": 0})
-    max_at_k_k: int | None = field(
-        default=None, metadata={"help": "k of the max_at_k estimator (default max(2, n // 2), as the authors).",
-                                "ge": 1})
-    truncated_scores_zero: bool = field(
-        default=True,
-        metadata={"help": "A completion cut at max_completion_length (no EOS) scores as unparseable (all zero). "
-                  "Without it token-mean losses reward never stopping: answers are parsed from the text, so "
-                  "trailing junk is free and long rollouts carry more tokens."},
-    )
-    min_parse_rate: float = field(
-        default=0.2,
-        metadata={"help": "Warn (LowParseRateWarning) when the fraction of a step's rollouts with at least one "
-                  "parsed answer is below this; 0 disables the warning.", "ge": 0.0, "le": 1.0},
-    )
-    max_unparsed_steps: int = field(
-        default=5,
-        metadata={"help": "Raise ParseRateError after this many consecutive generation batches (one per training "
-                  "step unless steps_per_generation > 1) in which no rollout parsed (all rewards zero, so loss and "
-                  "gradient are zero); 0 disables the check.", "ge": 0},
-    )
-    share_prompt_prefix: bool = field(
-        default=True,
-        metadata={"help": "Run each distinct prompt once in generation and in the loss's forward (its KV cache is "
-                  "shared by the group's rollouts); equal to TRL's path to float rounding. Used on one process "
-                  "without gradient checkpointing or vLLM; TRL's path otherwise."},
-    )
+    num_answers: int = field(**declared("num_answers"))
+    num_weights: int = field(**declared("num_weights"))
+    weight_alpha: float = field(**declared("weight_alpha"))
+    weight_sampler: str = field(**declared("weight_sampler"))
+    w_star: list[float] | None = field(**declared("w_star"))
+    advantage_eps: float = field(**declared("advantage_eps"))
+    max_at_k_k: int | None = field(**declared("max_at_k_k"))
+    truncated_scores_zero: bool = field(**declared("truncated_scores_zero"))
+    min_parse_rate: float = field(**declared("min_parse_rate"))
+    max_unparsed_steps: int = field(**declared("max_unparsed_steps"))
+    share_prompt_prefix: bool = field(**declared("share_prompt_prefix"))
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -225,6 +190,7 @@ class VPOTrainer(SharedPrefixMixin, GRPOTrainer):
         if self._w_star.shape != (reward.dim,):
             raise ValueError(f"w_star has {self._w_star.shape[0]} entries, the reward has {reward.dim} dimensions")
         self._estimator = get_estimator(args.estimator)
+        self._estimator_inputs = EstimatorInputs.from_config(args, w_star=self._w_star)
         if args.estimator != "vpo":  # a baseline arm: the card and tags name the estimator it trained with
             self._name = f"the {args.estimator} estimator of the VPO trainer"
             self._tag_names = ("trl", "vpo", args.estimator)
@@ -311,12 +277,9 @@ class VPOTrainer(SharedPrefixMixin, GRPOTrainer):
         gen = self._generator(mode)
         log_gen = torch.Generator()
         log_gen.set_state(gen.get_state())  # vpo/* metrics redraw the very weights the estimator uses
-        adv = self._estimator(batch, gidx, weights=self._vpo_row_weights if self._row_weights_column else None,
-                              num_weights=self.args.num_weights, alpha=self.args.weight_alpha,
-                              sampler=self.args.weight_sampler, generator=gen, eps=self.args.advantage_eps,
-                              w_star=self._w_star, k=self.args.max_at_k_k, prompt_ids=self._vpo_prompt_ids,
-                              seed=self.args.seed, scale_rewards=self.scale_rewards,
-                              aggregation=self.multi_objective_aggregation)
+        adv = self._estimator(batch, gidx, self._estimator_inputs.for_batch(
+            generator=gen, prompt_ids=self._vpo_prompt_ids,
+            weights=self._vpo_row_weights if self._row_weights_column else None))
         self.last_advantages = adv.clone()
         n_local = out["prompt_ids"].size(0)
         start = self.accelerator.process_index * n_local

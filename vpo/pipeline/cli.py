@@ -12,7 +12,7 @@
 A stage runs only when its output does not answer the current settings, code and inputs (it says
 why); ``--force`` runs it anyway. Exit codes: 0 done; 2 bad input (config, data, reward, checkpoint,
 full disk: one ``error:`` line naming the file/row/key and what to do -- a config file that is not
-UTF-8 or a disk full before the first stage included); 3 the run folder is locked by another run (see :mod:`vpo.pipeline.locking`); 130 Ctrl-C, 143 SIGTERM (every process the command
+UTF-8 or a disk full before the first stage included); 3 the run folder is locked by another run (see :mod:`vpo.pipeline.engine.locking`); 130 Ctrl-C, 143 SIGTERM (every process the command
 started is stopped first, one line says how to resume); other codes are crashes.
 
 Commands of other layers join through the ``vpo.commands`` entry point group: each entry is a
@@ -24,8 +24,7 @@ handler per command name. The Prefect commands (``flow``, ``ui``, ``serve``) com
 from __future__ import annotations
 
 import argparse
-import errno
-import json
+import contextlib
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -92,7 +91,8 @@ def load_config(args: argparse.Namespace) -> Any:
 def _load(args: argparse.Namespace) -> Any:
     from pathlib import Path
 
-    from vpo.pipeline.config import PARAMS_FILE, ConfigError, load_pipeline, load_variant
+    from vpo.pipeline.config import ConfigError, load_pipeline
+    from vpo.pipeline.dvc.params import PARAMS_FILE, load_variant
 
     overrides = parse_overrides(args.set)
     try:
@@ -123,7 +123,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _parser_and_handlers() -> tuple[argparse.ArgumentParser, dict[str, Handler]]:
-    from vpo.pipeline.graph import STAGES
+    from vpo.pipeline.steps import STAGES
 
     handlers: dict[str, Handler] = {}
     ap = argparse.ArgumentParser(prog="vpo", description="Vector Policy Optimization pipeline")
@@ -169,7 +169,7 @@ def _parser_and_handlers() -> tuple[argparse.ArgumentParser, dict[str, Handler]]
 
 def _print_tables(cfg: Any, ran_search: bool) -> None:
     """The run's result tables, once, after the last stage (the stages write them to the log only)."""
-    from vpo.pipeline.layout import RunLayout
+    from vpo.pipeline.config.layout import RunLayout
 
     layout = RunLayout.of(cfg)
     print("\n" + layout.eval_table.read_text())
@@ -184,8 +184,8 @@ def _log_path(args: argparse.Namespace, cfg: Any) -> Any:
     their output reaches the parent's console and log)."""
     import time
 
-    from vpo.pipeline.layout import RunLayout
-    from vpo.pipeline.stages.train import CHILD_ENV
+    from vpo.pipeline.config.layout import RunLayout
+    from vpo.pipeline.engine.processes import CHILD_ENV
 
     if os.environ.get(CHILD_ENV):
         return None
@@ -196,7 +196,7 @@ def _log_path(args: argparse.Namespace, cfg: Any) -> Any:
 
 def resume_hint(argv: Sequence[str] | None) -> str:
     """``run `bin/vpo run --quick` again to resume (...)``: the command as it runs from here."""
-    from vpo.pipeline.console import command
+    from vpo.pipeline.engine.console import command
 
     words = list(sys.argv[1:] if argv is None else argv)
     return (f"run `{command(*words)}` again to resume (finished stages are kept, training resumes "
@@ -204,27 +204,23 @@ def resume_hint(argv: Sequence[str] | None) -> str:
 
 
 def _closing_line() -> None:
-    from vpo.pipeline import console
+    from vpo.pipeline.engine import console
 
     path = console.log_file()
     if path is None:
         return
-    try:
-        shown = os.path.relpath(path)
-    except ValueError:
-        shown = str(path)
     n = console.warning_count()
-    console.log(f"full log: {shown}" + (f" ({n} library warning{'s' if n != 1 else ''} in it)" if n else ""))
+    console.log(f"full log: {console.shown_path(path)}" + (f" ({n} library warning{'s' if n != 1 else ''} in it)" if n else ""))
 
 
 def _stage(args: argparse.Namespace, cfg: Any) -> int:
-    from vpo.pipeline.graph import plan
-    from vpo.pipeline.layout import RunLayout
-    from vpo.pipeline.locking import pipeline_lock
+    from vpo.pipeline.config.layout import RunLayout
+    from vpo.pipeline.engine.locking import pipeline_lock
+    from vpo.pipeline.engine.processes import CHILD_ENV
     from vpo.pipeline.runner import run_step
-    from vpo.pipeline.stages.train import CHILD_ENV
+    from vpo.pipeline.steps import steps_of
 
-    steps = plan(cfg, [args.name])
+    steps = steps_of(cfg, [args.name])
     if args.name == "search" and args.arm is not None and args.seed is None:
         return _search_shard(cfg, args.arm)
     if args.arm is not None or args.seed is not None:
@@ -237,7 +233,7 @@ def _stage(args: argparse.Namespace, cfg: Any) -> int:
                   f"arms: {', '.join(a.name for a in cfg.enabled_arms)}")
     layout = RunLayout.of(cfg)
     if os.environ.get(CHILD_ENV) and args.name == "train":  # a process started by `accelerate launch`
-        from vpo.pipeline.context import StageContext
+        from vpo.pipeline.engine.context import StageContext
         from vpo.pipeline.stages.train import train
 
         for step in steps:
@@ -245,11 +241,9 @@ def _stage(args: argparse.Namespace, cfg: Any) -> int:
         return 0
     # one arm run trains beside other arm runs (shared run lock); anything else runs alone
     arm = steps[0].run.rid if args.name == "train" and len(steps) == 1 else None
-    results = {}
     with pipeline_lock(layout.root, cfg.variant, arm=arm):
         for step in steps:
-            results[step.label] = run_step(cfg, step, layout=layout, force=args.force)
-    print(json.dumps({"stage": args.name, "ok": True, "steps": sorted(results)}, default=str))
+            run_step(cfg, step, layout=layout, force=args.force)
     return 0
 
 
@@ -258,14 +252,15 @@ def _search_shard(cfg: Any, arm: str) -> int:
     (``vpo stage search`` starts these itself when arms can search at once, then puts them together)."""
     import time
 
-    from vpo.pipeline.console import stage_done
-    from vpo.pipeline.context import StageContext
-    from vpo.pipeline.layout import RunLayout
-    from vpo.pipeline.locking import pipeline_lock
+    from vpo.pipeline.config.layout import RunLayout
+    from vpo.pipeline.engine.console import quiet_libraries, stage_done
+    from vpo.pipeline.engine.context import StageContext
+    from vpo.pipeline.engine.locking import pipeline_lock
     from vpo.pipeline.stages.search import search_shard
 
     layout = RunLayout.of(cfg)
     t0 = time.time()
+    quiet_libraries()
     with pipeline_lock(layout.root, cfg.variant, arm=f"search-{arm}"):
         ctx = StageContext(cfg, layout, "search", None, None, progress=False)
         search_shard(ctx, arm)
@@ -274,21 +269,95 @@ def _search_shard(cfg: Any, arm: str) -> int:
 
 
 def _default_storage(argv: Sequence[str]) -> tuple[str | None, tuple[str, str] | None]:
-    """The default pipeline's ``storage.registry`` and DVC remote (URL, name) when a pipelines.yaml is here;
-    not read when ``--registry`` or ``$VPO_REGISTRY`` names the registry (the file may be broken, or absent)."""
+    """The default pipeline's ``storage.registry`` and DVC remote (URL, name) when a pipelines.yaml is here
+    (exit 2 with the config error when it is broken); not read when ``--registry`` or ``$VPO_REGISTRY``
+    names the registry (the file may be broken, or absent)."""
     from vpo.pipeline.config import ConfigError, load_pipeline
 
-    if os.environ.get("VPO_REGISTRY") or any(a == "--registry" or a.startswith("--registry=") for a in argv):
+    if os.environ.get("VPO_REGISTRY") is not None or any(a == "--registry" or a.startswith("--registry=")
+                                                         for a in argv):
+        return None, None
+    if not os.path.isfile("pipelines.yaml"):
         return None, None
     try:
         cfg = load_pipeline(None, "pipelines.yaml")
-    except ConfigError:
-        return None, None
+    except ConfigError as exc:  # the registry would come from this file: say what is wrong with it
+        _fail(f"{exc}\n(the registry is the default pipeline's storage.registry; fix the file, or name the registry "
+              "with --registry URL or VPO_REGISTRY)")
     remote = (cfg.resolve_url(cfg.storage.dvc_remote), cfg.storage.dvc_remote_name) if cfg.storage.dvc_remote else None
     return cfg.resolve_url(cfg.storage.registry), remote
 
 
+_SIGNAL_CODES = (129, 130, 143)
+"""Exit codes of a command stopped by SIGHUP, SIGINT or SIGTERM (128 + the signal)."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``vpo`` command ``argv`` (default: this process's arguments); returns its exit code.
+
+    Whatever escapes a command becomes one ``error:`` line and exit code 1 (the traceback goes to the
+    command's log file when it has one). A command process stopped by a signal ends as soon as it said
+    its line: it skips the interpreter's module teardown, which takes seconds after a model was loaded
+    (exit handlers still run)."""
+    as_command = argv is None
+    try:
+        code = _main(argv)
+    except KeyboardInterrupt as exc:  # stopped before a command installed its own handling
+        from vpo.pipeline.engine.processes import describe, exit_code
+
+        print(f"[vpo] {describe(exc)}", file=sys.stderr, flush=True)
+        code = exit_code(exc)
+    except Exception as exc:  # noqa: BLE001 (a bug or an error class without its own line: still one line)
+        code = _crashed(exc)
+    if as_command and code in _SIGNAL_CODES:
+        _exit_now(code)
+    return code
+
+
+def _crashed(exc: BaseException) -> int:
+    """One line for an exception no command turned into its own error line; exit code 1."""
+    import traceback
+
+    from vpo.pipeline.engine import console
+    from vpo.pipeline.engine.storage import redact
+
+    text = (str(exc).strip().splitlines() or [""])[0]
+    log = console.last_log_file()
+    if log is not None:
+        where = f"the traceback is in {_shown(log)}"
+    elif os.environ.get("VPO_TRACEBACK"):
+        traceback.print_exception(exc, file=sys.stderr)
+        where = "traceback above"
+    else:
+        where = "VPO_TRACEBACK=1 shows the traceback"
+    print(f"error: {redact(f'{type(exc).__name__}: {text}')} (unexpected: {where})", file=sys.stderr, flush=True)
+    return 1
+
+
+def _shown(path: Any) -> str:
+    try:
+        return os.path.relpath(path)
+    except ValueError:
+        return str(path)
+
+
+def _exit_now(code: int) -> None:
+    """End the process with ``code`` after flushing output and running exit handlers, without the
+    module teardown (a stopped stage spent 4-7 s of a loaded machine's time garbage-collecting torch)."""
+    import atexit
+    import logging
+
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    with contextlib.suppress(Exception):
+        atexit._run_exitfuncs()
+    with contextlib.suppress(Exception):
+        logging.shutdown()
+    os._exit(code)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     for k, v in _ENV_DEFAULTS.items():
         os.environ.setdefault(k, v)
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -311,22 +380,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             _fail(str(exc))
         return 0
     if args.cmd == "dvc":
-        from vpo.pipeline.dvcgen import main as dvc_main
+        from vpo.pipeline.dvc.generate import main as dvc_main
 
         return dvc_main(["--config", args.config, *(["--check"] if args.check else []),
                          *[a for v in args.add for a in ("--add", v)], *[a for v in args.remove for a in ("--remove", v)]])
     cfg = load_config(args)
     if args.cmd == "plan":
-        from vpo.pipeline.errors import StageError
-        from vpo.pipeline.plan import main as plan_main
+        from vpo.pipeline.engine.errors import StageError
+        from vpo.pipeline.memory import main as plan_main
 
         try:
             return plan_main(cfg, device=args.device, memory_gib=args.memory, tflops=args.tflops,
                              processes=args.processes, arm=args.arm, as_json=args.json)
         except (StageError, ValueError) as exc:
             _fail(str(exc))
-    from vpo.pipeline import console
-    from vpo.pipeline.processes import describe, exit_code, stop_on_signals
+    from vpo.pipeline.engine import console
+    from vpo.pipeline.engine.processes import describe, exit_code, stop_on_signals
 
     try:
         with console.session(_log_path(args, cfg), defer_tables=args.cmd == "run"):
@@ -340,22 +409,25 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _closing_line()
             return code
     except OSError as exc:  # the run folder's disk is full before a stage could say so (lock, log)
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-            raise
-        from vpo.pipeline.layout import RunLayout
+        from vpo.pipeline.config.layout import RunLayout
+        from vpo.pipeline.engine.errors import disk_full, disk_of
 
-        where = exc.filename or RunLayout.of(cfg).root
-        _fail(f"disk full at {where} ({exc.strerror or exc}); free space and run `{console.command(*argv)}` again")
+        full, path = disk_full(exc)
+        if not full:
+            raise
+        where = path or RunLayout.of(cfg).root
+        _fail(f"disk full at {where} ({disk_of(where)}; {exc.strerror or exc}); free space and run "
+              f"`{console.command(*argv)}` again")
     return 2  # not reached: _fail exits
 
 
 def _job(args: argparse.Namespace, cfg: Any) -> int:
     """``vpo run`` / ``vpo stage``: exit 0 done, 2 bad input, 3 locked (one ``error:`` line each)."""
-    from vpo.pipeline.errors import EXIT_BAD_INPUT, EXIT_LOCKED, StageError
-    from vpo.pipeline.locking import LockBusyError
+    from vpo.pipeline.engine.errors import EXIT_BAD_INPUT, EXIT_LOCKED, StageError
+    from vpo.pipeline.engine.locking import LockBusyError
+    from vpo.pipeline.engine.storage import redact
     from vpo.pipeline.registry.entries import RegistryError, StorageUnavailableError
     from vpo.pipeline.runner import StageProcessFailed
-    from vpo.pipeline.storage import redact
     from vpo.pipeline.validation import ValidationError
     from vpo.rewards import RewardError
 

@@ -3,18 +3,16 @@
 :func:`run_step` is what ``vpo stage`` does (and what ``dvc repro`` calls through it): it computes the
 step's fingerprint (settings, code, inputs), compares it with the record in its output, runs the
 stage only when they differ ("vpo-s0: trainer.learning_rate changed 0.0001 -> 0.0005; running"),
-then records the new output. :func:`run_all` is ``vpo run``: every step of the plan under the run
+then records the new output. :func:`run_all` is ``vpo run``: every step of the pipeline under the run
 folder's lock, in order, except that independent steps (the arm x seed training runs) run side by
 side, each as its own ``vpo stage train`` process with its own threads and GPUs
-(:mod:`vpo.pipeline.execution`, ``execution.max_parallel``). When DVC manages the variant, the
-steps are then recorded in ``dvc.lock`` (:mod:`vpo.pipeline.dvcrecord`), so ``dvc repro`` after
+(:mod:`vpo.pipeline.engine.execution`, ``execution.max_parallel``). When DVC manages the variant, the
+steps are then recorded in ``dvc.lock`` (:mod:`vpo.pipeline.dvc.record`), so ``dvc repro`` after
 ``vpo run`` re-runs nothing.
 """
 
 from __future__ import annotations
 
-import errno
-import os
 import shutil
 import time
 from collections.abc import Sequence
@@ -22,15 +20,27 @@ from typing import Any
 
 from vpo.atomic import remove_stale_temps, remove_temps_in
 from vpo.pipeline.config import RUN_INDEPENDENT_ARM_KEYS, PipelineConfig
-from vpo.pipeline.console import log, stage_done, stage_started
-from vpo.pipeline.context import StageContext
-from vpo.pipeline.errors import StageError
-from vpo.pipeline.execution import ExecutionPlan, execution_plan, stage_threads, torch_threads
-from vpo.pipeline.fanout import StageProcessFailed, run_processes
-from vpo.pipeline.graph import Step, plan, stage
-from vpo.pipeline.layout import RunLayout, arm_runs
-from vpo.pipeline.settings import check_hardware
-from vpo.pipeline.state import Fingerprint, code_hashes, content_digest, read_state, why_stale, write_state
+from vpo.pipeline.config.layout import RunLayout, arm_runs
+from vpo.pipeline.engine.console import log, shown_path, stage_done, stage_started
+from vpo.pipeline.engine.context import StageContext
+from vpo.pipeline.engine.errors import StageError, disk_full, full_disk_text
+from vpo.pipeline.engine.execution import (
+    Concurrency,
+    check_hardware,
+    concurrency,
+    stage_threads,
+    torch_threads,
+)
+from vpo.pipeline.engine.fanout import StageProcessFailed, run_processes
+from vpo.pipeline.engine.state import (
+    Fingerprint,
+    code_hashes,
+    content_digest,
+    read_state,
+    why_stale,
+    write_state,
+)
+from vpo.pipeline.steps import Step, stage, steps_of
 
 __all__ = ["StageProcessFailed", "fingerprint", "independent_groups", "run_all", "run_side_by_side", "run_step",
            "staleness"]
@@ -96,19 +106,6 @@ def _record(step: Step, layout: RunLayout, fp: Fingerprint, summary: dict[str, A
     write_state(layout.state_file(step.stage.name, step.rid), fp, digest, files, summary)
 
 
-def _disk_full(exc: BaseException) -> bool:
-    """Whether an error is a full disk (OSError ENOSPC/EDQUOT, or torch's writer failing mid-file)."""
-    while exc is not None:
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        text = str(exc)
-        if "No space left on device" in text or ("enforce fail" in text and (
-                "unexpected pos" in text or "file write failed" in text)):
-            return True
-        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
-    return False
-
-
 def run_step(cfg: PipelineConfig, step: Step, *, layout: RunLayout | None = None, force: bool = False,
              progress: bool = True) -> dict[str, Any]:
     """Run one step unless its output is up to date (``force`` runs it anyway); returns its summary."""
@@ -138,24 +135,26 @@ def run_step(cfg: PipelineConfig, step: Step, *, layout: RunLayout | None = None
     try:
         if step.stage.per_run:  # a run's thread count is the same alone or beside others: same weights
             with torch_threads(stage_threads(cfg)):
-                summary = step.stage.run(ctx)
+                summary = step.stage.call(ctx)
         else:
-            summary = step.stage.run(ctx)
+            summary = step.stage.call(ctx)
         if state_path is not None:
             _record(step, layout, fp, summary)
-    except (OSError, RuntimeError) as exc:
-        if not _disk_full(exc):
+    except Exception as exc:  # any writer may hit a full disk: torch, safetensors' Rust, fsspec
+        full, path = disk_full(exc)
+        if not full:
             raise
-        out = layout.outputs(step.stage.name, step.rid)[0]
-        raise StageError(f"{step.label}: the disk holding {out} is full ({exc.__class__.__name__}: "
-                         f"{str(exc).splitlines()[0][:160]}); free space and run the stage again"
+        where = full_disk_text(path or layout.outputs(step.stage.name, step.rid)[0])
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise StageError(f"{step.label}: {where}; {exc.__class__.__name__}: {first}; free space there and "
+                         "run the stage again"
                          + (" (it resumes from the last intact checkpoint)" if step.stage.per_run else "")) from None
     stage_done(step.label, time.time() - t0, ctx.notes.get("outcome"))
     return summary
 
 
 def independent_groups(steps: Sequence[Step]) -> list[list[Step]]:
-    """The plan cut into groups run one after another: consecutive per-run steps (the training runs,
+    """The steps cut into groups run one after another: consecutive per-run steps (the training runs,
     which read the same inputs and write separate folders) form one group; every other step is a
     group of its own."""
     groups: list[list[Step]] = []
@@ -167,12 +166,12 @@ def independent_groups(steps: Sequence[Step]) -> list[list[Step]]:
     return groups
 
 
-def run_side_by_side(cfg: PipelineConfig, steps: Sequence[Step], ex: ExecutionPlan, *, layout: RunLayout,
+def run_side_by_side(cfg: PipelineConfig, steps: Sequence[Step], ex: Concurrency, *, layout: RunLayout,
                      force: bool = False) -> dict[str, Any]:
     """Run independent per-run steps as ``vpo stage`` processes (:func:`run_processes`); returns
     each step's summary."""
     log(f"{len(steps)} training runs, {ex.max_parallel} at once ({ex.reason}); per-run logs in "
-        f"{_shown_path(layout.logs)}/*-stage-train-*.log")
+        f"{shown_path(layout.logs)}/*-stage-train-*.log")
     by_label = {s.label: s for s in steps}
     jobs = []
     for step in steps:
@@ -190,34 +189,33 @@ def run_side_by_side(cfg: PipelineConfig, steps: Sequence[Step], ex: ExecutionPl
     return results
 
 
-def _shown_path(path: Any) -> str:
-    try:
-        return os.path.relpath(path)
-    except ValueError:
-        return str(path)
-
-
 def run_all(cfg: PipelineConfig, stages: Sequence[str] | None = None, *, search: bool = True,
             force: bool = False, progress: bool = True, record: bool = True) -> dict[str, Any]:
-    """Run the plan's steps (the main job) holding the run folder's lock
-    (:class:`vpo.pipeline.locking.LockBusyError` at once if another run holds it): in order, the
-    training runs side by side when ``execution.max_parallel`` allows; then, with ``record``, record
-    them in ``dvc.lock`` when DVC manages this variant."""
-    from vpo.pipeline.locking import pipeline_lock
+    """Run the pipeline's steps (the main job) holding the run folder's lock
+    (:class:`vpo.pipeline.engine.locking.LockBusyError` at once if another run holds it): in order, the
+    training runs side by side when ``execution.max_parallel`` allows (those already up to date are
+    said so here, without a process each); then, with ``record``, record them in ``dvc.lock`` when
+    DVC manages this variant."""
+    from vpo.pipeline.engine.locking import pipeline_lock
 
     layout = RunLayout.of(cfg)
-    steps = plan(cfg, stages, search=search)
+    steps = steps_of(cfg, stages, search=search)
     results: dict[str, Any] = {}
     with pipeline_lock(layout.root, cfg.variant):
         for group in independent_groups(steps):
-            ex = execution_plan(cfg, len(group)) if len(group) > 1 else None
+            if len(group) > 1 and not force:  # up to date: said here, no process started for it
+                current = [s for s in group if staleness(cfg, s, layout) is None]
+                for step in current:
+                    results[step.label] = run_step(cfg, step, layout=layout, progress=progress)
+                group = [s for s in group if s not in current]
+            ex = concurrency(cfg, len(group)) if len(group) > 1 else None
             if ex is not None and ex.max_parallel > 1:
                 results.update(run_side_by_side(cfg, group, ex, layout=layout, force=force))
                 continue
             for step in group:
                 results[step.label] = run_step(cfg, step, layout=layout, force=force, progress=progress)
         if record:
-            from vpo.pipeline.dvcrecord import record_steps
+            from vpo.pipeline.dvc.record import record_steps
 
             record_steps(cfg, [s for s in steps if s.stage.in_dvc])
     return results

@@ -31,6 +31,7 @@ from vpo.sandbox.config import (
     Status,
     TestCase,
     TestResult,
+    benchmark_payloads,
     default_hide_paths,
 )
 from vpo.sandbox.pool import Sandbox, private_view_available
@@ -46,6 +47,7 @@ __all__ = [
     "Status",
     "TestCase",
     "TestResult",
+    "benchmark_payloads",
     "decode_value",
     "default_hide_paths",
     "encode_value",

@@ -226,6 +226,8 @@ _SYSCALLS = {
         "process_vm_writev": 311, "kcmp": 312, "finit_module": 313, "kexec_file_load": 320, "bpf": 321,
         "userfaultfd": 323, "clone": 56, "socket": 41, "socketpair": 53, "fcntl": 72, "flock": 73,
         "inotify_init": 253, "inotify_add_watch": 254, "inotify_init1": 294, "fanotify_mark": 301,
+        "mincore": 27, "madvise": 28, "readahead": 187, "fadvise64": 221, "sync": 162, "syncfs": 306,
+        "sync_file_range": 277, "preadv2": 327, "pwritev2": 328, "io_setup": 206, "io_submit": 209,
     },
     "aarch64": {
         "ptrace": 117, "syslog": 116, "personality": 92, "vhangup": 58, "pivot_root": 41, "adjtimex": 171,
@@ -237,12 +239,14 @@ _SYSCALLS = {
         "setns": 268, "process_vm_readv": 270, "process_vm_writev": 271, "kcmp": 272, "finit_module": 273,
         "kexec_file_load": 294, "bpf": 280, "userfaultfd": 282, "clone": 220, "socket": 198, "socketpair": 199,
         "fcntl": 25, "flock": 32, "inotify_init1": 26, "inotify_add_watch": 27, "fanotify_mark": 263,
+        "mincore": 232, "madvise": 233, "readahead": 213, "fadvise64": 223, "sync": 81, "syncfs": 267,
+        "sync_file_range": 84, "preadv2": 286, "pwritev2": 287, "io_setup": 0, "io_submit": 2,
     },
 }
 _COMMON_SYSCALLS = {
     "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427, "open_tree": 428, "move_mount": 429,
     "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433, "clone3": 435, "pidfd_getfd": 438,
-    "process_madvise": 440, "mount_setattr": 442, "quotactl_fd": 443, "open_tree_attr": 467,
+    "process_madvise": 440, "mount_setattr": 442, "quotactl_fd": 443, "cachestat": 451, "open_tree_attr": 467,
 }
 _AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 MACHINE = os.uname().machine
@@ -370,10 +374,18 @@ SECCOMP_DENY = (
     # shared-file channels: a lock or a watch on a file every sandbox sees (a read-only system file,
     # the standard library's __pycache__) would carry information from one sandbox to another
     "flock", "inotify_init", "inotify_init1", "inotify_add_watch", "fanotify_mark",
+    # the page cache of those files: probing which pages are cached, or loading and evicting them
+    # on purpose, would carry information too (see also the madvise and preadv2 rules below); Linux
+    # AIO would bypass the preadv2 rule (RWF_NOWAIT in an iocb)
+    "mincore", "cachestat", "readahead", "fadvise64", "io_setup", "io_submit",
+    # host-wide writeback: forcing it slows every process of the host, a channel and a nuisance
+    "sync", "syncfs", "sync_file_range",
 )
 # fcntl commands refused for the same reason: POSIX and open-file-description record locks (set and
 # query), leases, directory notifications; every other fcntl (F_GETFL, F_DUPFD...) is allowed
 FCNTL_DENY = (5, 6, 7, 36, 37, 38, 1024, 1025, 1026)  # F_GETLK F_SETLK F_SETLKW F_OFD_* F_SETLEASE F_GETLEASE F_NOTIFY
+MADVISE_DENY = (3, 20, 21)  # MADV_WILLNEED (read-ahead of a file mapping), MADV_COLD, MADV_PAGEOUT (eviction)
+RWF_NOWAIT = 0x8  # preadv2/pwritev2 flag: fails instead of waiting when the data is not cached (a cache probe)
 AF_UNIX, AF_INET, AF_INET6, SOCK_STREAM = 1, 2, 10, 1
 _EPERM, _ENOSYS, _EAFNOSUPPORT = 1, 38, 97
 _RET_ALLOW, _RET_ERRNO, _RET_KILL_PROCESS = 0x7FFF0000, 0x00050000, 0x80000000
@@ -386,7 +398,10 @@ def seccomp_program(machine: str = MACHINE) -> list[tuple[int, int, int, int]]:
     with EPERM; ``clone`` with any namespace flag and ``clone3`` (its flags live in memory the
     filter cannot read; libc falls back to ``clone``) are refused; file locks, leases and
     notifications (``flock``, the lock/lease/notify ``fcntl`` commands of ``FCNTL_DENY``,
-    inotify, fanotify) are refused; sockets only for AF_INET and
+    inotify, fanotify) are refused; so are page-cache probes and controls (``mincore``,
+    ``cachestat``, ``readahead``, ``fadvise64``, Linux AIO, ``madvise`` with an advice of
+    ``MADVISE_DENY``, ``preadv2``/``pwritev2`` with ``RWF_NOWAIT``) and host-wide writeback
+    (``sync``, ``syncfs``, ``sync_file_range``); sockets only for AF_INET and
     AF_INET6 (no Unix, netlink, vsock... sockets: no host socket can be reached by path or
     abstract name); ``socketpair`` only as connected AF_UNIX streams (a datagram pair could be
     re-connected to a host socket). Everything else is allowed."""
@@ -417,12 +432,23 @@ def seccomp_program(machine: str = MACHINE) -> list[tuple[int, int, int, int]]:
     emit(_JEQ, nr["socket"], jt="socket")
     emit(_JEQ, nr["socketpair"], jt="socketpair")
     emit(_JEQ, nr["fcntl"], jt="fcntl")
+    emit(_JEQ, nr["madvise"], jt="madvise")
+    emit(_JEQ, nr["preadv2"], jt="rwflags")
+    emit(_JEQ, nr["pwritev2"], jt="rwflags")
     emit(_RET, _RET_ALLOW)
-    label("fcntl")
-    emit(_LD_W_ABS, 24)  # args[1]: the command
-    for cmd in FCNTL_DENY:
-        emit(_JEQ, cmd, jt="deny")
-    emit(_RET, _RET_ALLOW)
+
+    def deny_values(name: str, offset: int, values: tuple[int, ...]) -> None:
+        label(name)
+        emit(_LD_W_ABS, offset)
+        for value in values:
+            emit(_JEQ, value, jt="deny")
+        emit(_RET, _RET_ALLOW)
+
+    deny_values("madvise", 32, MADVISE_DENY)  # args[2]: the advice
+    deny_values("fcntl", 24, FCNTL_DENY)  # args[1]: the command
+    label("rwflags")
+    emit(_LD_W_ABS, 56)  # args[5]: the RWF_* flags
+    emit(_JSET, RWF_NOWAIT, jt="deny", jf="allow")
     label("clone")
     emit(_LD_W_ABS, 16)  # args[0] (low 32 bits): clone flags
     emit(_JSET, CLONE_NEW_ANY, jt="deny", jf="allow")
@@ -523,6 +549,8 @@ def _interpreter_paths() -> dict:
                                     paths.get("stdlib"), paths.get("platstdlib"), os.path.dirname(os.__file__))}
     interp.discard(None)
     site_dirs = {real_dir(paths.get(k, "")) for k in ("purelib", "platlib")}
+    base = {"base": sys.base_prefix, "platbase": sys.base_exec_prefix}  # a virtualenv's interpreter's own
+    site_dirs |= {real_dir(sysconfig.get_path(k, vars=base) or "") for k in ("purelib", "platlib")}
     try:
         from site import getsitepackages  # importable under -S; not executed at startup
         site_dirs |= {real_dir(p) for p in getsitepackages()}
@@ -538,7 +566,6 @@ def _interpreter_paths() -> dict:
 
 INTERP: dict = {}
 SLOT: dict = {}  # this fork server's slot: the uid of its sandboxes and the cgroup leaf they join
-NETNS = ["sandbox"]  # "zygote" when this fork server already is in its own empty network namespace
 WORKDIR = [""]  # the work directory of a sandbox without a mount namespace (made and removed by the zygote)
 
 
@@ -724,21 +751,13 @@ def zygote_main(sock_fd: int, namespaces: str = "auto", slot: dict | None = None
         subreaper = True
     except OSError:
         subreaper = False
-    # As root, this fork server moves into an empty network namespace once: its sandboxes (one at
-    # a time) share it instead of each creating and tearing down their own (a costly kernel
-    # operation). Nothing carries over from one to the next: no device but a down loopback, no
-    # capability to configure one, only AF_INET/AF_INET6 sockets (seccomp), all closed when a
-    # sandbox's processes die.
-    if os.geteuid() == 0 and namespaces != "off":
-        try:
-            unshare(CLONE_NEWNET)
-            NETNS[0] = "zygote"
-        except OSError:
-            pass
+    # Every sandbox gets a network namespace of its own (made with its other namespaces): one
+    # shared by a fork server's sandboxes would carry its counters (/proc/net/snmp...) from one
+    # candidate to the next.
     own_pidns = _direct_pid_namespaces() if namespaces != "off" else None
     _warm_up()
     SLOT["joined"] = _join_cgroup()  # after the warm-up: the fork server's own heap stays charged where it was
-    _send_line(sock, {"hello": 1, "pid": os.getpid(), "euid": os.geteuid(), "interp": INTERP, "netns": NETNS[0],
+    _send_line(sock, {"hello": 1, "pid": os.getpid(), "euid": os.geteuid(), "interp": INTERP,
                       "cgroup": SLOT["joined"],
                       "direct": own_pidns is not None,
                       "subreaper": subreaper, "python": sys.version.split()[0], "machine": MACHINE})
@@ -872,7 +891,7 @@ def direct_main(fds: list[int]) -> int:
     except OSError:
         pass
     cfg = _take_payload(fds)
-    flags = CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS | (0 if NETNS[0] == "zygote" else CLONE_NEWNET)
+    flags = CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWNET
     errors = []
     try:
         unshare(flags)
@@ -906,7 +925,7 @@ def sandbox_main(fds: list[int], zpid: int) -> int:
     if ns != "off":
         if os.geteuid() == 0:
             try:
-                unshare(flags & ~CLONE_NEWNET if NETNS[0] == "zygote" else flags)
+                unshare(flags)
                 mode = "root"
             except OSError as exc:
                 errors.append(str(exc))
@@ -1052,10 +1071,11 @@ def _plan_view(cfg: dict, prot: dict) -> tuple[list[str], list[str], list[tuple[
                 raise ValueError(f"cannot hide {h}: the sandbox's interpreter needs {e} inside it")
     covers = []
     hide = list(hidden_all)
-    if not cfg.get("site_packages"):  # installed packages may hold datasets: not part of the view
-        sites = list(INTERP.get("site_dirs", ())) + list(INTERP.get("site_on_path", ()))
-        hide += sites
-        prot["_site_dirs"] = sites
+    # installed packages may hold datasets: not part of the view, but those the interpreter imports
+    # from with site_packages (a virtualenv's base interpreter's, inside its standard library, never)
+    sites = list(INTERP.get("site_dirs", ())) + ([] if cfg.get("site_packages") else list(INTERP.get("site_on_path", ())))
+    hide += sites
+    prot["_site_dirs"] = sites
     for h in hide:
         if any(_under(h, e) for e in exposed_list) and not any(_under(e, h) for e in exposed_list):
             covers.append(h)
@@ -1232,13 +1252,12 @@ def child_main(cfg: dict) -> int:
     set_name("vpo-judge" if cfg.get("role") == "judge" else "vpo-sandbox")
     missing: list = []
     prot: dict = {"mode": mode, "role": cfg.get("role", "candidate"), "warnings": [],
-                  "pidns": mode != "none", "netns": mode != "none" or NETNS[0] == "zygote",
-                  "netns_scope": NETNS[0] if mode == "root" or NETNS[0] == "zygote" else ("sandbox" if mode != "none" else None),
+                  "pidns": mode != "none", "netns": mode != "none", "netns_scope": "sandbox" if mode != "none" else None,
                   "view": "host", "exposed": [], "not_exposed": [],
                   "hidden": [], "readonly_root": False, "nodev": False, "private_tmp": False, "private_proc": False,
                   "uid": None, "caps": "?", "nproc_enforced": False, "keyring": None, "seccomp": False,
                   "cgroup": dict(SLOT.get("joined") or {"version": None}), "time": "cpu",
-                  "shared_file_channels": "open", "missing": missing}
+                  "shared_file_channels": "open", "page_cache": "open", "missing": missing}
     # everything not in force is listed; what the configuration accepts by name is filtered below
     if not prot["cgroup"].get("version"):
         missing.append({"what": "cgroup", "why": prot["cgroup"].get("why") or "not joined"})
@@ -1339,6 +1358,9 @@ def child_main(cfg: dict) -> int:
             prot["seccomp_instructions"] = install_seccomp()
             prot["seccomp"] = True
             prot["shared_file_channels"] = "filtered: flock, fcntl locks, leases and notifications, inotify, fanotify"
+            prot["page_cache"] = ("probes and controls refused: mincore, cachestat, readahead, fadvise, AIO, madvise "
+                                  "WILLNEED/COLD/PAGEOUT, preadv2/pwritev2 RWF_NOWAIT; sync, syncfs, sync_file_range "
+                                  "refused; pages read are still shared with the host (timing)")
         except OSError as exc:
             missing.append({"what": "seccomp", "why": f"no seccomp filter: {exc}"})
     else:
@@ -1550,7 +1572,7 @@ class _CandidateRunner:
 
     def _run_value(self, module_ns: dict, req: dict, cpu: float, wall: float) -> tuple[dict, str]:
         self._redirect("")
-        status, err, etype, wire = "ok", "", "", ""
+        status, err, etype, wire, after = "ok", "", "", "", ""
         _arm(cpu, wall)
         t0 = _perf()
         elapsed = 0.0
@@ -1560,6 +1582,8 @@ class _CandidateRunner:
                 args = decode_value(req.get("args", []))
                 kw = decode_value(req["kw"]) if req.get("kw") else {}
                 result = fn(*args, **kw)
+                if req.get("sync"):  # the judge's arguments, as this call left them (in-place tasks)
+                    after = _json_dumps(encode_value([args, kw]), ensure_ascii=True)
             elif req["kind"] == "get":  # plain module-level values an expr test reads (judged elsewhere)
                 result = {}
                 for name in req.get("names", ()):
@@ -1578,13 +1602,14 @@ class _CandidateRunner:
             _disarm()
         if status != "ok":
             elapsed = _perf() - t0
-        elif structure_count(wire) > self.max_items or len(wire) > 4 * self.cap:
+        elif structure_count(wire) + structure_count(after) > self.max_items or len(wire) + len(after) > 4 * self.cap:
             status, etype = "error", "ValueError"
-            err = (f"return value too large to judge ({structure_count(wire)} values, {len(wire)} bytes; "
-                   f"the limits are {self.max_items} values, {4 * self.cap} bytes)")
+            size = len(wire) + len(after)
+            err = (f"return value too large to judge ({structure_count(wire) + structure_count(after)} values, {size} "
+                   f"bytes; the limits are {self.max_items} values, {4 * self.cap} bytes)")
         self._collect()
         msg = {"st": status, "t": elapsed, "err": err, "etype": etype}
-        return msg, ('"val": ' + wire if status == "ok" else "")
+        return msg, ('"val": ' + wire + (', "args": ' + after if after else "") if status == "ok" else "")
 
 
 class _CandidateTimeout(BaseException):
@@ -1624,6 +1649,7 @@ class _JudgeRunner:
         self.cap = int(cfg["max_output_bytes"])
         self.commands = _Commands()
         self.raised: str | None = None
+        self.expr_base: dict = {}
         _common_process_setup()
         devnull = os.open("/dev/null", os.O_RDWR)
         for fd in (0, 1, 2):
@@ -1635,11 +1661,22 @@ class _JudgeRunner:
             msg["fn"] = fn
         if kwargs:
             msg["kw"] = encode_value(dict(kwargs))
+        sync = _holds_mutable(args) or _holds_mutable(tuple(kwargs.values()))
+        if sync:
+            msg["sync"] = 1
         _send(msg)
         reply = self.commands.read()
         if reply is None:
             raise _JudgeAbort()
         if "val" in reply:
+            if sync and "args" in reply:  # what the call changed in its arguments, as in-process
+                new = decode_value(reply["args"])
+                if type(new) is list and len(new) == 2 and type(new[0]) is list and type(new[1]) is dict:
+                    for old, value in zip(args, new[0]):
+                        _sync_in_place(old, value)
+                    for key, old in kwargs.items():
+                        if key in new[1]:
+                            _sync_in_place(old, new[1][key])
             return decode_value(reply["val"])
         if reply.get("timeout"):
             raise _CandidateTimeout("the candidate timed out")
@@ -1676,6 +1713,10 @@ class _JudgeRunner:
             exec(compile(self.cfg["code"], "check.py", "exec"), ns)  # noqa: S102 - the dataset's test code
             if "__vpo_steps__" in ns:
                 gen = ns["__vpo_steps__"](self._candidate)
+            if self.cfg.get("expr_prelude"):  # the names value expressions take from the job's prelude
+                base = {"__builtins__": builtins}
+                exec(compile(self.cfg["expr_prelude"], "<prelude>", "exec"), base)  # noqa: S102 - the job's prelude
+                self.expr_base = {k: v for k, v in base.items() if not k.startswith("__")}
             err = None
         except _TestTimeout:
             err = "timeout while loading the test code"
@@ -1686,7 +1727,7 @@ class _JudgeRunner:
         if err is not None:
             _send({"ev": "load_error", "msg": err})
             return 0
-        _send({"ev": "loaded"})
+        _send({"ev": "loaded", "names": sorted(self.expr_base)})
         step = 0
         finished = gen is None
         while True:
@@ -1719,7 +1760,11 @@ class _JudgeRunner:
         self.raised = None
         head = {"ev": "value", "k": req.get("k")}
         try:
-            ns = {"__builtins__": builtins, **decode_value(req.get("vals") or {})}
+            ns = {"__builtins__": builtins, **self.expr_base}
+            for name in req.get("mods", ()):  # standard-library modules the expression names: the judge's own
+                if name in sys.stdlib_module_names:
+                    ns[name] = __import__(name)
+            ns.update(decode_value(req.get("vals") or {}))
             ns.update({name: self._proxy(name) for name in req.get("fns", ())})
             value = eval(compile(req["expr"], "<test>", "eval"), ns)
             wire = _json_dumps(encode_value(value), ensure_ascii=True)
@@ -1747,6 +1792,50 @@ class _JudgeRunner:
         if isinstance(outcome, AssertionError):
             return {"st": "fail", "err": "assertion failed" + (f": {_describe(outcome)}" if str(outcome) else "")}
         return {"st": "fail", "err": f"the test raised {_describe(outcome)}"}
+
+
+_MUTABLE = (list, dict, set)
+
+
+def _holds_mutable(x: object, depth: int = 0) -> bool:
+    """Whether plain value ``x`` holds a list, dict or set a call could change in place."""
+    t = type(x)
+    if t in _MUTABLE:
+        return True
+    if t is tuple and depth < MAX_DEPTH:
+        return any(_holds_mutable(v, depth + 1) for v in x)
+    return False
+
+
+def _sync_in_place(old: object, new: object, depth: int = 0) -> None:
+    """Make ``old`` (the judge's argument) hold what ``new`` (the same argument after the
+    candidate's call) holds, keeping the identity of every list, dict and set in it: an in-place
+    task (``candidate(a); assert a == ...``) is judged as it is in one process."""
+    if depth > MAX_DEPTH:
+        return
+    t = type(old)
+    if t is list and type(new) is list:
+        for i in range(min(len(old), len(new))):
+            if type(old[i]) in (*_MUTABLE, tuple) and type(old[i]) is type(new[i]):
+                _sync_in_place(old[i], new[i], depth + 1)
+            if type(old[i]) not in _MUTABLE or type(old[i]) is not type(new[i]):
+                old[i] = new[i]
+        del old[len(new):]
+        old.extend(new[len(old):])
+    elif t is dict and type(new) is dict:
+        for key in [k for k in old if k not in new]:
+            del old[key]
+        for key, value in new.items():
+            if key in old and type(old[key]) in _MUTABLE and type(old[key]) is type(value):
+                _sync_in_place(old[key], value, depth + 1)
+            else:
+                old[key] = value
+    elif t is set and type(new) is set:
+        old.clear()
+        old.update(new)
+    elif t is tuple and type(new) is tuple and len(old) == len(new):
+        for a, b in zip(old, new):
+            _sync_in_place(a, b, depth + 1)
 
 
 def _resolve(ns: dict, name: str):

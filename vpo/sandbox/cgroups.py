@@ -1,6 +1,8 @@
 """Per-sandbox cgroups: memory (tmpfs, shared memory and memfds included), a process count and a
-CPU quota for each sandbox's whole process tree, on cgroup v2 or v1 (detected at start-up); the
-CPU time a tree used (what time limits charge); and killing a whole tree.
+CPU quota for each sandbox's whole process tree, on cgroup v2 or v1 (detected at start-up); where
+the hierarchy has an io controller (v2 ``io``, v1 ``blkio``), a read/write limit on the block
+devices the sandbox's view lives on; the CPU time a tree used (what time limits charge); and
+killing a whole tree.
 
 Layout, in every controller hierarchy used::
 
@@ -27,11 +29,11 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-__all__ = ["CgroupError", "Hierarchy", "Instance", "Leaf", "Limits", "detect"]
+__all__ = ["CgroupError", "Hierarchy", "Instance", "Leaf", "Limits", "block_devices", "detect"]
 
 PROJECT = "vpo"
 REQUIRED = ("memory", "pids", "cpu")
-OPTIONAL_V1 = ("cpuacct",)
+OPTIONAL_V1 = ("cpuacct", "blkio")
 _INSTANCE = re.compile(r"^(\d+)-[0-9a-f]{8}$")
 _PERIOD_US = 100_000
 
@@ -43,11 +45,40 @@ class CgroupError(RuntimeError):
 @dataclass(frozen=True)
 class Limits:
     """What one leaf allows: bytes of memory (swap excluded from v2 / capped in v1), tasks
-    (processes and threads) and CPUs (a CFS quota)."""
+    (processes and threads) and CPUs (a CFS quota); where an io controller exists, bytes and
+    operations per second read or written on each of ``io_devices`` (``"major:minor"`` of whole
+    disks; None: no io limit)."""
 
     memory_bytes: int
     pids: int
     cpus: float
+    io_bps: int | None = None
+    io_iops: int | None = None
+    io_devices: tuple[str, ...] = ()
+
+
+def block_devices(paths: Iterable[str]) -> list[str]:
+    """The whole disks (``"major:minor"``) the files at ``paths`` live on; file systems without a
+    block device (tmpfs, overlay, network) give none. A partition is throttled through its disk."""
+    out: set[str] = set()
+    for p in paths:
+        try:
+            dev = os.stat(p).st_dev
+        except OSError:
+            continue
+        major, minor = os.major(dev), os.minor(dev)
+        if major == 0:
+            continue
+        sysdir = f"/sys/dev/block/{major}:{minor}"
+        if os.path.exists(os.path.join(sysdir, "partition")):
+            try:
+                major, minor = map(int, _read(os.path.join(os.path.realpath(sysdir), "..", "dev")).split(":"))
+            except (OSError, ValueError):
+                continue
+        elif not os.path.isdir(sysdir):
+            continue
+        out.add(f"{major}:{minor}")
+    return sorted(out)
 
 
 @dataclass(frozen=True)
@@ -121,20 +152,21 @@ def _v2(root: str, mounts: list, own: dict[str, str]) -> Hierarchy | str:
     missing = [c for c in REQUIRED if c not in have]
     if missing:
         return f"cgroup v2 has no {'/'.join(missing)} controller"
+    ctrls = REQUIRED + (("io",) if "io" in have else ())
     # a group holding processes (this one holds this process) cannot hand controllers to
     # children (v2's no-internal-process rule), the hierarchy's root excepted: the project's
     # group goes beside this process's own, under the same parent and its limits
     base = here if here == point else os.path.dirname(here)
     try:
-        _enable(base)
+        _enable(base, ctrls)
         group = os.path.join(base, PROJECT)
         with contextlib.suppress(FileExistsError):
             os.mkdir(group)
-        _enable(group)
+        _enable(group, ctrls)
         _set_weight("v2", group, _usable_cpus())
     except OSError as exc:
         return f"cgroup v2 at {base}: {exc.strerror or exc}"
-    return Hierarchy("v2", {c: group for c in REQUIRED}, root)
+    return Hierarchy("v2", {c: group for c in ctrls}, root)
 
 
 def _usable_cpus() -> int:
@@ -155,13 +187,13 @@ def _set_weight(version: str, group: str, tasks: int) -> None:
             _write(os.path.join(group, "cpu.shares"), str(min(262_144, 1024 * tasks)))
 
 
-def _enable(group: str) -> None:
-    """Hand the memory, pids and cpu controllers to ``group``'s children (v2)."""
+def _enable(group: str, ctrls: Iterable[str] = REQUIRED) -> None:
+    """Hand the memory, pids and cpu controllers (and io, where used) to ``group``'s children (v2)."""
     try:
         have = set(_read(os.path.join(group, "cgroup.subtree_control")).split())
     except FileNotFoundError:  # a scratch tree in tests; the kernel always has the file
         have = set()
-    todo = " ".join(f"+{c}" for c in REQUIRED if c not in have)
+    todo = " ".join(f"+{c}" for c in ctrls if c not in have)
     if todo:
         _write(os.path.join(group, "cgroup.subtree_control"), todo)
 
@@ -241,6 +273,7 @@ class Leaf:
     limits: Limits
     procs: list[str] = field(default_factory=list)
     oom_seen: int = 0  # OOM kills already attributed to a sandbox that ran here
+    io: dict = field(default_factory=dict)  # the io limits in force here, or why there are none
     _cpu_fd: int = -1
 
     def cpu_seconds(self) -> float | None:
@@ -394,7 +427,7 @@ class Instance:
                     made.append(d)
                 self.dirs[ctrl] = d
             if hier.version == "v2":
-                _enable(self.dirs["memory"])
+                _enable(self.dirs["memory"], list(hier.dirs))
             _set_weight(hier.version, self.dirs["cpu"], workers)
         except OSError as exc:
             for d in reversed(made):
@@ -416,6 +449,7 @@ class Instance:
                 made.append(d)
             leaf = Leaf(self.hier, dirs, limits, [os.path.join(d, "cgroup.procs") for d in made])
             _configure(leaf)
+            leaf.io = _configure_io(leaf)
         except OSError as exc:
             for d in reversed(made):
                 _rmdir(d)
@@ -467,6 +501,38 @@ def _configure(leaf: Leaf) -> None:
     _write(os.path.join(pids, "pids.max"), str(lim.pids))
     _write(os.path.join(cpu, "cpu.cfs_period_us"), str(_PERIOD_US))
     _write(os.path.join(cpu, "cpu.cfs_quota_us"), str(quota))
+
+
+def _configure_io(leaf: Leaf) -> dict:
+    """Write the leaf's io limits where its hierarchy has an io controller; returns what is in
+    force (devices, bytes and operations per second) or why nothing is."""
+    lim = leaf.limits
+    ctrl = "io" if leaf.hier.version == "v2" else "blkio"
+    if lim.io_bps is None and lim.io_iops is None:
+        return {"why": "no io limit configured"}
+    if ctrl not in leaf.dirs:
+        return {"why": f"no {ctrl} controller in this cgroup hierarchy"}
+    if not lim.io_devices:
+        return {"why": "the sandbox's files are on no block device (tmpfs, overlay or network file system)"}
+    d, done, failed = leaf.dirs[ctrl], [], []
+    for dev in lim.io_devices:
+        try:
+            if leaf.hier.version == "v2":
+                parts = [f"{k}={v}" for k, v in (("rbps", lim.io_bps), ("wbps", lim.io_bps), ("riops", lim.io_iops),
+                                                 ("wiops", lim.io_iops)) if v is not None]
+                _write(os.path.join(d, "io.max"), f"{dev} {' '.join(parts)}")
+            else:
+                for name, value in (("read_bps", lim.io_bps), ("write_bps", lim.io_bps), ("read_iops", lim.io_iops),
+                                    ("write_iops", lim.io_iops)):
+                    if value is not None:
+                        _write(os.path.join(d, f"blkio.throttle.{name}_device"), f"{dev} {value}")
+            done.append(dev)
+        except OSError as exc:
+            failed.append(f"{dev}: {exc.strerror or exc}")
+    out: dict = {"devices": done, "bps": lim.io_bps, "iops": lim.io_iops}
+    if failed:
+        out["why"] = "cannot limit " + "; ".join(failed)
+    return out
 
 
 def _remove_tree(hier: Hierarchy, d: str) -> None:

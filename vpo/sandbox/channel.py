@@ -38,6 +38,7 @@ DEAD = "dead"  # the process ended: no more events will come
 LATE = "late"  # the wall-clock ceiling passed
 OVER = "over"  # the CPU time limit passed
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
+_DRAIN = 1.0  # most wall-clock seconds spent reading an event that is still arriving at its deadline
 
 
 class ForkServer(Protocol):
@@ -143,6 +144,7 @@ class Proc:
         self.max_items = box.config.max_value_items + 64  # the event's own fields
         self.inbuf = bytearray()
         self.scanned = 0  # bytes of inbuf already searched for a newline
+        self.last_size = 0  # bytes of the last event taken
         self.out = bytearray()
         self.eof = False
         self.exit_code: int | None = None
@@ -287,6 +289,7 @@ class Proc:
             raise Violation("oversized message on the result channel")
         line = bytes(self.inbuf[:nl])
         del self.inbuf[: nl + 1]
+        self.last_size = nl
         if structure_count(line) > self.max_items:
             raise Violation(f"result too large to judge (more than {self.max_items - 64} values)")
         try:
@@ -347,9 +350,26 @@ class Proc:
             if over is not None:
                 self._read_available(0)  # a result that arrived while this thread waited counts
                 ev = self._pop()
+                if ev is None and over == LATE and self.inbuf:
+                    ev = self._drain()
                 return ev if ev is not None else over
             wait = min(clock.deadline, next_cpu_check) - now
             self._read_available(min(max(wait, 0.001), 0.25 if self.exited else 3600.0))
+
+    def _drain(self) -> dict[str, Any] | None:
+        """At the wall-clock ceiling, with part of an event already here: the sandbox finished and
+        is writing (its alarms are off by then), and what kept it waiting was this reader. Read on
+        while bytes keep coming, for at most ``_DRAIN`` seconds; the event, or None."""
+        end = time.monotonic() + _DRAIN
+        while time.monotonic() < end and not self.eof:
+            size = len(self.inbuf)
+            self._read_available(min(0.05, max(end - time.monotonic(), 0.0)))
+            ev = self._pop()
+            if ev is not None:
+                return ev
+            if len(self.inbuf) == size:  # nothing more came: not a result being written
+                return None
+        return None
 
     def _read_zygote(self) -> None:
         try:

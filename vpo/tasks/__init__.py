@@ -17,7 +17,7 @@ from typing import Any
 from vpo.answers import add_instruction
 from vpo.rewards import VectorReward
 
-__all__ = ["Task", "available_tasks", "check_task_params", "get_task", "register_task", "task_parameters",
+__all__ = ["DrawnTask", "Task", "available_tasks", "check_task_params", "get_task", "register_task", "task_parameters",
            "task_source_file"]
 
 
@@ -48,6 +48,36 @@ class Task:
         from vpo.chat import default_messages
 
         return default_messages(self, row, m)
+
+
+class DrawnTask(Task):
+    """A task whose problems a seeded generator draws (:meth:`_draw`): the test split first, from its
+    own stream, then the train split, which skips every problem sharing a :meth:`split_keys` key
+    with a test problem, so nothing leaks across splits. Subclasses set ``n_train``, ``n_test`` and
+    an empty ``_splits`` dict."""
+
+    n_train: int
+    n_test: int
+    _splits: dict[str, list[dict[str, Any]]]
+
+    def _draw(self, split: str, n: int, exclude: set[str]) -> list[dict[str, Any]]:
+        """``n`` rows of ``split`` from its own stream, none with a key in ``exclude``."""
+        raise NotImplementedError
+
+    def split_keys(self, row: Mapping[str, Any]) -> set[str]:
+        """What no train problem may share with a test problem: its prompt."""
+        return {row["prompt"]}
+
+    def load(self, split: str) -> list[dict[str, Any]]:
+        """Rows of "train" or "test"; test is drawn first from its own stream, train excludes it."""
+        if split not in ("train", "test"):
+            raise ValueError(f"unknown split {split!r}; expected 'train' or 'test'")
+        if "test" not in self._splits:
+            self._splits["test"] = self._draw("test", self.n_test, set())
+        if split == "train" and "train" not in self._splits:
+            taken = {key for row in self._splits["test"] for key in self.split_keys(row)}
+            self._splits["train"] = self._draw("train", self.n_train, taken)
+        return [dict(r) for r in self._splits[split]]
 
 
 _TASKS: dict[str, Callable[..., Task]] = {}

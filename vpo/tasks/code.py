@@ -36,11 +36,12 @@ from typing import Any, Literal, get_args
 import numpy as np
 from typing_extensions import TypedDict  # pydantic (which validates task parameters) needs it before 3.12
 
-from vpo.answers import parse_code_answers, python_ast_key
+from vpo.answers import append_to_prompt, numbered_tags, parse_code_answers, python_ast_key
 from vpo.rewards import VectorReward
 from vpo.sandbox import Job, Sandbox, SandboxConfig, TestCase, default_hide_paths
 from vpo.tasks import Task, register_task
-from vpo.tasks.code_formats import FORMATS, ImportStats, judge_settings, load_problems, select_tests
+from vpo.tasks.code_asserts import judge_settings
+from vpo.tasks.code_formats import FORMATS, ImportStats, load_problems, select_tests
 
 __all__ = [
     "EMBEDDED_PROBLEMS",
@@ -80,6 +81,8 @@ class SandboxParams(TypedDict, total=False):
     stack_mb: int
     max_processes: int
     cpus: float
+    io_mbps: int | None
+    io_iops: int | None
     max_open_files: int
     max_output_bytes: int
     max_value_items: int
@@ -126,11 +129,9 @@ def row_tests(row: Mapping[str, Any]) -> list[TestCase]:
 
 def code_instruction(m: int, kind: str = "program") -> str:
     """The answer-format instruction for m programs (each a fenced python block in numbered tags)."""
-    if m < 1:
-        raise ValueError(f"m must be >= 1, got {m}")
+    tags = numbered_tags(m, "answer")
     if m == 1:
         return f"Put your {kind} in a ```python code block inside <answer_1></answer_1>."
-    tags = ", ".join(f"<answer_{i}>...</answer_{i}>" for i in range(1, m + 1))
     return (
         f"Write {m} genuinely different solutions (different algorithms or approaches), each a complete "
         f"{kind} on its own in a ```python code block, inside numbered tags: {tags}."
@@ -157,7 +158,9 @@ def _shared_sandbox(config: SandboxConfig) -> Sandbox:
 
 
 @atexit.register
-def _close_shared() -> None:
+def close_shared_sandboxes() -> None:
+    """Close this process's shared sandbox pools (at exit, or when a caller is done with code rewards:
+    a later reward opens a fresh pool)."""
     with _SHARED_LOCK:
         boxes = list(_SHARED.values())
         _SHARED.clear()
@@ -504,16 +507,8 @@ class CodeTask(Task):
         """The problem prompt followed by the m-program answer-format instruction (appended to
         the last user message, as an ADDITIONAL INSTRUCTION, for chat prompts)."""
         kind = "function" if row.get("entry_point") else "program"
-        text = code_instruction(m, kind)
-        prompt = row["prompt"]
-        if isinstance(prompt, str):
-            return f"{prompt.rstrip()}\n\n{text}"
-        messages = [dict(msg) for msg in prompt]
-        for msg in reversed(messages):
-            if msg.get("role") == "user":
-                msg["content"] = f"{str(msg.get('content', '')).rstrip()}\n\nADDITIONAL INSTRUCTION: {text}"
-                return messages
-        raise ValueError("chat prompt has no user message")
+        return append_to_prompt(row["prompt"], code_instruction(m, kind), chat_label="ADDITIONAL INSTRUCTION: ",
+                                what="the answer-format instruction")
 
     # -- supervised warm-up (embedded tiny model) and tokenizer
     def demonstration(self, row: Mapping[str, Any], m: int, rng: random.Random) -> str:

@@ -46,8 +46,9 @@ from typing import Any
 
 import numpy as np
 
+from vpo import metrics
 from vpo.rewards import VectorReward
-from vpo.tasks import Task, register_task
+from vpo.tasks import DrawnTask, register_task
 
 __all__ = [
     "NAMES",
@@ -213,43 +214,24 @@ def hedge_values(row: Mapping[str, Any], k_max: int = 3, length_slack: int = 2, 
                  ) -> list[float]:
     """Exact prompt-only best expected best-of-k mean scalar for k = 1..k_max (k_max <= 3): the
     best a k-answer policy can do without knowing the favourite."""
-    if not 1 <= k_max <= 3:
-        raise ValueError(f"k_max must be 1, 2 or 3, got {k_max}")
     _, scal = _scalars(row, PhraseReward(length_slack, lipogram_tolerance))
     scal = np.unique(scal, axis=0)
-    p = np.full(scal.shape[1], 1.0 / scal.shape[1])
-    values = [float((scal @ p).max())]
-    pair = np.maximum(scal[:, None, :], scal[None, :, :])
-    if k_max >= 2:
-        values.append(float((pair @ p).max()))
-    if k_max >= 3:
-        values.append(max(float((np.maximum(pair, s) @ p).max()) for s in scal))
-    return values
+    return metrics.hedge_values(scal, np.full(scal.shape[1], 1.0 / scal.shape[1]), k_max)
 
 
 def hedge_curve(row: Mapping[str, Any], k_max: int = 10, length_slack: int = 2, lipogram_tolerance: int = 2,
                 ) -> list[float]:
     """Greedy prompt-only best-of-k for k = 1..k_max (add the answer raising the expected best
     mean scalar most; within 1 - 1/e of the optimum, exact at k = 1)."""
-    if k_max < 1:
-        raise ValueError(f"k_max must be >= 1, got {k_max}")
     _, scal = _scalars(row, PhraseReward(length_slack, lipogram_tolerance))
-    p = np.full(scal.shape[1], 1.0 / scal.shape[1])
-    cur = np.zeros(scal.shape[1])
-    out = []
-    for _ in range(k_max):
-        gains = np.maximum(scal, cur) @ p
-        i = int(gains.argmax())
-        cur = np.maximum(cur, scal[i])
-        out.append(float(gains[i]))
-    return out
+    return metrics.greedy_hedge_curve(scal, np.full(scal.shape[1], 1.0 / scal.shape[1]), k_max)
 
 
 # --------------------------------------------------------------------------------------------
 # the task
 
 
-class PhraseTask(Task):
+class PhraseTask(DrawnTask):
     """Seeded phrase problems with disjoint train/test splits, demonstrations and oracles."""
 
     name = "phrase"
@@ -301,16 +283,6 @@ class PhraseTask(Task):
         if len(rows) < n:
             raise RuntimeError(f"could only draw {len(rows)} distinct {split} problems of {n}")
         return rows
-
-    def load(self, split: str) -> list[dict[str, Any]]:
-        """Rows of "train" or "test"; test is drawn first from its own stream, train excludes it."""
-        if split not in ("train", "test"):
-            raise ValueError(f"unknown split {split!r}; expected 'train' or 'test'")
-        if "test" not in self._splits:
-            self._splits["test"] = self._draw("test", self.n_test, set())
-        if split == "train" and "train" not in self._splits:
-            self._splits["train"] = self._draw("train", self.n_train, {r["prompt"] for r in self._splits["test"]})
-        return [dict(r) for r in self._splits[split]]
 
     def demonstration(self, row: Mapping[str, Any], m: int, rng: random.Random) -> str:
         """A supervised target: m distinct plausible answers (random subsets of the listed words,

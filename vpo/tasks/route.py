@@ -52,8 +52,9 @@ from typing import Any
 
 import numpy as np
 
+from vpo import metrics
 from vpo.rewards import VectorReward
-from vpo.tasks import Task, register_task
+from vpo.tasks import DrawnTask, register_task
 
 __all__ = [
     "MOVES",
@@ -456,20 +457,7 @@ def hedge_values(
     prompt alone (hidden lava unknown, averaged over its exact distribution). Entry k-1 is what
     an ideal k-answer policy can reach; the gap between k=1 and k>1 is what hedging is worth.
     Exact (exhaustive over route classes) for k_max <= 3."""
-    if not 1 <= k_max <= 3:
-        raise ValueError(f"k_max must be 1, 2 or 3, got {k_max}")
-    scal, probs = _outcome_matrix(row, n_hidden, p_hidden_a, hidden_sides, lava_tolerance)
-    values = [float((scal @ probs).max())]
-    if k_max >= 2:
-        pair = np.maximum(scal[:, None, :], scal[None, :, :]) @ probs
-        values.append(float(pair.max()))
-    if k_max >= 3:
-        best3 = values[-1]
-        for i in range(len(scal)):  # exact: fix the first route, search pairs for the rest
-            trip = np.maximum(np.maximum(scal[i][None, None, :], scal[:, None, :]), scal[None, :, :]) @ probs
-            best3 = max(best3, float(trip.max()))
-        values.append(best3)
-    return values
+    return metrics.hedge_values(*_outcome_matrix(row, n_hidden, p_hidden_a, hidden_sides, lava_tolerance), k_max)
 
 
 def hedge_curve(
@@ -484,17 +472,8 @@ def hedge_curve(
     the expected best mean scalar most. Expected best-of-k is monotone submodular in the set, so
     entry k is within a factor 1 - 1/e of the optimum (and exact at k = 1); it shows how far
     past k = 3 search can still gain on a problem."""
-    if k_max < 1:
-        raise ValueError(f"k_max must be >= 1, got {k_max}")
-    scal, probs = _outcome_matrix(row, n_hidden, p_hidden_a, hidden_sides, lava_tolerance)
-    cur = np.zeros(len(probs))
-    out = []
-    for _ in range(k_max):
-        gains = np.maximum(scal, cur) @ probs
-        i = int(gains.argmax())
-        cur = np.maximum(cur, scal[i])
-        out.append(float(gains[i]))
-    return out
+    return metrics.greedy_hedge_curve(*_outcome_matrix(row, n_hidden, p_hidden_a, hidden_sides, lava_tolerance),
+                                      k_max)
 
 
 def _undominated(scal: np.ndarray) -> np.ndarray:
@@ -567,7 +546,7 @@ def format_answers(routes: Sequence[str]) -> str:
 # the task
 
 
-class RouteTask(Task):
+class RouteTask(DrawnTask):
     """Seeded route problems with disjoint train/test splits, compact char prompts and oracles."""
 
     name = "route"
@@ -653,19 +632,9 @@ class RouteTask(Task):
             )
         return rows
 
-    def load(self, split: str) -> list[dict[str, Any]]:
-        """Rows of "train" or "test"; test is drawn first from its own stream, train excludes it."""
-        if split not in ("train", "test"):
-            raise ValueError(f"unknown split {split!r}; expected 'train' or 'test'")
-        if "test" not in self._splits:
-            self._splits["test"] = self._draw("test", self.n_test, set())
-        if split == "train" and "train" not in self._splits:
-            self._splits["train"] = self._draw(
-                "train",
-                self.n_train,
-                {_problem_key(r) for r in self._splits["test"]} | {r["prompt"] for r in self._splits["test"]},
-            )
-        return [dict(r) for r in self._splits[split]]
+    def split_keys(self, row: Mapping[str, Any]) -> set[str]:
+        """No train problem repeats a test problem (grid, hidden cells and budget) or its prompt."""
+        return {_problem_key(row), row["prompt"]}
 
     def format_prompt(self, row: Mapping[str, Any], m: int) -> str:
         """The grid followed by a short answer-count flag: ``...\\n?1>`` or ``...\\n?3>``."""

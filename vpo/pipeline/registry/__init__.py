@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from vpo.atomic import atomic_dir, atomic_write_text
-from vpo.pipeline.checkpoints import check_checkpoint, content_hash, hash_file, model_manifest
+from vpo.pipeline.engine.checkpoints import check_checkpoint, content_hash, hash_file, model_manifest
+from vpo.pipeline.engine.console import command, tool
+from vpo.pipeline.engine.storage import redact
 from vpo.pipeline.registry import entries, versions
 from vpo.pipeline.registry.entries import DEFAULT_METRIC, Entry, RegistryError, RegistryInputError
 from vpo.pipeline.registry.store import Store, now
-from vpo.pipeline.storage import redact
 
 __all__ = ["DEFAULT_METRIC", "Entry", "Registry", "RegistryError", "RegistryInputError"]
 
@@ -40,7 +41,11 @@ class Registry:
 
     def scan(self) -> tuple[list[Entry], dict[tuple[str, str], list[str]], list[str]]:
         """(entries, the stages of each (artifact, hash), unreadable files). A GTO version this registry
-        has no entry for (a fresh clone of a project whose registry was local) is a bare entry."""
+        has no entry for (a fresh clone of a project whose registry was local) is a bare entry
+        (:attr:`Entry.tag_only`)."""
+        return self._scan()[:3]
+
+    def _scan(self) -> tuple[list[Entry], dict[tuple[str, str], list[str]], list[str], dict[str, Any]]:
         listed, bad = self.store.entries()
         gto = versions.gto_state(self.repo)
         tagged = {(a, v["hash"]): ver for a, info in gto.items() for ver, v in info["versions"].items() if v["hash"]}
@@ -60,15 +65,21 @@ class Registry:
         for (artifact, stage), rec in self.store.stages().items():
             if not any(a == artifact and stage in s for (a, _), s in stages.items()):
                 stages.setdefault((artifact, rec["hash"]), []).append(stage)
-        return listed, stages, bad
+        return listed, stages, bad, gto
 
     def get(self, key: str) -> Entry:
         """The one entry ``key`` names (see the module doc)."""
         listed, stages, _ = self.scan()
+        return self._find(key, listed, stages)
+
+    def _find(self, key: str, listed: list[Entry], stages: dict[tuple[str, str], list[str]]) -> Entry:
         name, sep, what = key.strip().replace("#", "@").rpartition("@")
         if not sep:
             name, what = (what, "latest") if entries.select(listed, what) and not _is_hex(what) else (None, what)
         pool = entries.select(listed, name) if name else listed
+        if name and not pool:
+            raise RegistryInputError(f"{key!r}: no entry is named {name!r} in {self.store.url} (names: "
+                                     f"{_names(listed)})")
         if what in ("latest", "best") and pool:
             return entries.latest(pool) if what == "latest" else entries.best(pool)[0]
         if re.fullmatch(r"v\d+\.\d+\.\d+", what):
@@ -88,7 +99,7 @@ class Registry:
         return found[0]
 
     def card(self, entry: Entry) -> str:
-        from vpo.pipeline.hub import model_card
+        from vpo.pipeline.registry.hub import model_card
 
         return self.store.card(entry) or model_card(entry)
 
@@ -99,7 +110,7 @@ class Registry:
         settings, metrics and lineage, and tag a GTO version when HEAD's ``dvc.lock`` records these very
         weights. The card goes into the folder and the registry. Returns the entry and, when it has no
         version, why. Registering the same weights again keeps ``created_at``."""
-        from vpo.pipeline.hub import model_card
+        from vpo.pipeline.registry.hub import model_card
 
         check_checkpoint(model_dir)
         digest, files, left_out, trained_at = model_manifest(model_dir)
@@ -128,20 +139,53 @@ class Registry:
 
     def promote(self, key: str, stage: str, *, remove: bool = False) -> str:
         """Assign (or remove) ``stage`` for the entry ``key`` names: a GTO tag when it has a version, else
-        a record in the registry; the returned line says which and why."""
+        a record in the registry; the returned line says which and why. Removing a stage the entry is
+        not in, or one whose GTO tag cannot be written, is a :class:`RegistryError` (nothing changed)."""
         if not _STAGE.match(stage) or stage in ("latest", "best"):
             raise RegistryInputError(f"stage {stage!r} is invalid: lower-case letters, digits, '_' or '-', starting "
                                      "with a letter; latest and best are queries")
-        entry, verb = self.get(key), "left" if remove else "is now in"
-        why = "not a git repository" if not self.repo else "it has no GTO version (see `vpo registry show`)"
+        listed, stages, _, gto = self._scan()
+        entry = self._find(key, listed, stages)
+        held = stages.get((entry.artifact, entry.hash), [])
+        in_gto = bool(entry.version) and gto.get(entry.artifact, {}).get("stages", {}).get(stage) == entry.version
+        record = self.store.stages().get((entry.artifact, stage))
+        in_record = record is not None and record.get("hash") == entry.hash
+        if remove:
+            return self._unassign(entry, stage, held, in_gto=in_gto, in_record=in_record)
+        if stage in held:
+            return f"{entry.label} is already in stage {stage}; nothing changed"
+        why = "not a git repository" if not self.repo else (
+            f"it has no GTO version (`{command('registry', 'show', entry.artifact + '@' + entry.hash[:12])}` says why)")
         if entry.version and self.repo:
             try:
-                versions.assign(self.repo, entry, stage, remove=remove)
-                return f"{entry.artifact} {entry.version} ({entry.hash[:12]}) {verb} stage {stage} (GTO tag)"
-            except RegistryError as exc:
+                versions.assign(self.repo, entry, stage)
+                return f"{entry.artifact} {entry.version} ({entry.hash[:12]}) is now in stage {stage} (GTO tag)"
+            except versions.GTORefused:
+                raise
+            except RegistryError as exc:  # git cannot write the tag: the registry keeps the stage instead
                 why = str(exc)
-        self.store.set_stage(entry.artifact, stage, None if remove else entry.hash, why)
-        return f"{entry.label} {verb} stage {stage}, kept in the registry's own record because {why}"
+        self.store.set_stage(entry.artifact, stage, entry.hash, why)
+        return f"{entry.label} is now in stage {stage}, kept in the registry's own record because {why}"
+
+    def _unassign(self, entry: Entry, stage: str, held: list[str], *, in_gto: bool, in_record: bool) -> str:
+        if not (in_gto or in_record):
+            raise RegistryInputError(f"{entry.label} is not in stage {stage} (its stages: {', '.join(held) or 'none'}); "
+                                     "nothing to remove")
+        done = []
+        if in_gto:
+            assert self.repo is not None and entry.version is not None
+            try:
+                versions.assign(self.repo, entry, stage, remove=True)
+            except versions.GTORefused:
+                raise
+            except RegistryError as exc:
+                raise RegistryError(f"{entry.artifact} {entry.version} stays in stage {stage}: its GTO tag cannot be "
+                                    f"removed ({exc})") from None
+            done.append(f"GTO: a {entry.artifact}#{stage}! tag, `{tool('gto', 'show')}` no longer lists it")
+        if in_record:
+            self.store.set_stage(entry.artifact, stage, None)
+            done.append(f"the registry's record in {self.store.url}")
+        return f"{entry.label}{f' {entry.version}' if entry.version else ''} left stage {stage} ({'; '.join(done)})"
 
     def fetch(self, entry: Entry, dest: str | Path, *, overwrite: bool = False) -> tuple[Path, str]:
         """The entry's model in ``dest``, brought through DVC and checked file by file against the entry,
@@ -190,6 +234,13 @@ class Registry:
                 out.append(f"{f.path} is missing" if got is None else
                            f"{f.path} is corrupt ({got[0]} bytes, sha256 {got[1][:12]}; expected {f.size}, {f.sha256[:12]})")
         return out
+
+
+def _names(listed: list[Entry]) -> str:
+    """The variants and artifacts of the entries, for an error that a name matched nothing."""
+    variants = sorted({e.name for e in listed})
+    return (", ".join(variants) + f"; artifacts: {', '.join(sorted({e.artifact for e in listed})[:8])}"
+            if variants else "none: the registry is empty")
 
 
 def _is_hex(text: str) -> bool:

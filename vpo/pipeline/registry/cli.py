@@ -16,9 +16,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from vpo.pipeline.engine.console import command
+from vpo.pipeline.engine.storage import StorageError, configure_dvc_remote, redact
 from vpo.pipeline.registry import DEFAULT_METRIC, Entry, Registry, RegistryError, RegistryInputError
 from vpo.pipeline.registry.entries import best, latest, metric_value, select, settings_that_differ
-from vpo.pipeline.storage import StorageError, configure_dvc_remote, redact
 
 __all__ = ["main"]
 
@@ -77,7 +78,8 @@ def _rows(entries: list[Entry], stages: dict[tuple[str, str], list[str]]) -> lis
     for e in entries:
         key, kmax = (e.artifact, e.hash), metric_value(e, "eval.best_at_k.kmax")
         ks = [int(k) for k in (e.metrics.get("eval") or {}).get("best_at_k", {}) if str(k).isdigit()]
-        rows.append({"artifact": e.artifact, "hash": e.hash[:12], "version": e.version or "-",
+        version = (e.version or "-") + (" (tag only)" if e.tag_only else "")
+        rows.append({"artifact": e.artifact, "hash": e.hash[:12], "version": version,
                      "trained": e.trained_at[:19].replace("T", " "), "best@1": metric_value(e, "eval.best_at_k.1"),
                      "best@kmax": f"{kmax:.4g} (k={max(ks)})" if kmax is not None else None,
                      "diversity": metric_value(e, "eval.reward_diversity"),
@@ -106,7 +108,30 @@ def _ensure_remote(reg: Registry, remote: tuple[str, str] | None) -> None:
         configure_dvc_remote(reg.dvc_repo, remote[0], name=remote[1])
 
 
-def _run(args: argparse.Namespace, reg: Registry, remote: tuple[str, str] | None) -> int:
+def _missing(reg: Registry, source: str, entries: list[Entry]) -> RegistryInputError:
+    """The error for a registry URL with nothing behind it (mistyped, or never written to)."""
+    tagged = sum(e.tag_only for e in entries)
+    tags = (f"; the repository's git tags record {tagged} model versions, which `{command('registry', 'fetch')} "
+            "<artifact>@<version> DEST` gets without a registry" if tagged else "")
+    return RegistryInputError(f"registry {redact(reg.store.url)} ({source}) does not exist: nothing is at that "
+                              f"path; check the URL{tags}")
+
+
+def _chosen(entries: list[Entry], name: str | None, arm: str | None) -> list[Entry]:
+    """The entries ``--name`` and ``--arm`` select; one error naming the filter that matched nothing."""
+    pool = select(entries, name, arm)
+    if pool or (name is None and arm is None):
+        return pool
+    if name is not None and not select(entries, name):
+        known = sorted({e.name for e in entries}) + sorted({e.artifact for e in entries})
+        raise RegistryInputError(f"--name {name!r} matches no entry (variants and artifacts: "
+                                 f"{', '.join(known[:12]) or 'none'}; globs allowed: 'route*')")
+    arms = sorted({e.arm for e in select(entries, name) if e.arm})
+    raise RegistryInputError(f"--arm {arm!r} matches no entry" + (f" named {name!r}" if name else "")
+                             + f" (arm runs: {', '.join(arms) or 'none'}; globs allowed: 'vpo-*')")
+
+
+def _run(args: argparse.Namespace, reg: Registry, remote: tuple[str, str] | None, source: str) -> int:
     if args.cmd == "migrate":
         print("\n".join(reg.store.migrate()) or f"nothing to migrate in {redact(reg.store.url)}")
     elif args.cmd == "promote":
@@ -127,6 +152,8 @@ def _run(args: argparse.Namespace, reg: Registry, remote: tuple[str, str] | None
             print(json.dumps({**entry.to_dict(), "stages": stages}, indent=2, sort_keys=True, default=str))
     else:
         entries, stages, bad = reg.scan()
+        if not reg.store.exists():
+            raise _missing(reg, source, entries)
         for line in bad:
             print(f"warning: {redact(line)}", file=sys.stderr)
         if args.cmd == "verify":
@@ -137,10 +164,14 @@ def _run(args: argparse.Namespace, reg: Registry, remote: tuple[str, str] | None
             for e in chosen:
                 problems = reg.verify(e)
                 failed += bool(problems)
-                print(f"FAIL {e.label}: {'; '.join(problems)}" if problems else f"ok   {e.label}: re-hashed")
-            print(f"{len(chosen) - failed}/{len(chosen)} entries verified" + (f"; {len(bad)} unreadable" if bad else ""))
+                how = "its git tag's content hash (no registry entry)" if e.tag_only else "every file re-hashed"
+                print(f"FAIL {e.label}: {'; '.join(problems)}" if problems else f"ok   {e.label}: {how}")
+            tagged = sum(e.tag_only for e in chosen)
+            print(f"{len(chosen) - failed}/{len(chosen)} entries verified"
+                  + (f" ({tagged} of them from git tags only: {redact(reg.store.url)} has no entry for them)"
+                     if tagged else "") + (f"; {len(bad)} unreadable" if bad else ""))
             return 1 if failed or bad else 0
-        pool = select(entries, args.name, args.arm)
+        pool = _chosen(entries, args.name, args.arm)
         if args.cmd == "best":
             e, value = best(pool, args.metric, lower_is_better=args.lower_is_better)
             print(json.dumps({"artifact": e.artifact, "hash": e.hash, "metric": args.metric, "value": value})
@@ -150,6 +181,9 @@ def _run(args: argparse.Namespace, reg: Registry, remote: tuple[str, str] | None
                 print(json.dumps({**row, "hash": e.hash, "name": e.name, "arm": e.arm}))
         else:
             print(_table(_rows(pool, stages)) if pool else f"no entries in {redact(reg.store.url)}")
+            if tagged := sum(e.tag_only for e in pool):
+                print(f"note: {tagged} of these come from the repository's GTO tags only: {redact(reg.store.url)} "
+                      "has no entry for them (no metrics or card here)", file=sys.stderr)
     return 0
 
 
@@ -159,10 +193,8 @@ def main(argv: Sequence[str] | None = None, *, default_registry: str | None = No
     parser = _parser(prog)
     try:
         args = parser.parse_args(argv)
-        url = getattr(args, "registry", None) or os.environ.get("VPO_REGISTRY") or default_registry
-        if not url:
-            parser.error("no registry given: pass --registry URL (a folder or s3://bucket/prefix) or set VPO_REGISTRY")
-        return _run(args, Registry(url, getattr(args, "repo", None)), default_remote)
+        url, source = _url(parser, getattr(args, "registry", None), default_registry)
+        return _run(args, Registry(url, getattr(args, "repo", None)), default_remote, source)
     except BrokenPipeError:  # piped into `head`
         with contextlib.suppress(OSError):
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115
@@ -175,3 +207,17 @@ def main(argv: Sequence[str] | None = None, *, default_registry: str | None = No
     except OSError as exc:
         print(f"error: {redact(str(exc))}", file=sys.stderr)
         return 1
+
+
+def _url(parser: argparse.ArgumentParser, flag: str | None, default: str | None) -> tuple[str, str]:
+    """The registry URL and where it came from: ``--registry``, ``$VPO_REGISTRY``, else the default
+    pipeline's ``storage.registry``; an empty one given on purpose is an error, not the next one."""
+    env = os.environ.get("VPO_REGISTRY")
+    for value, source in ((flag, "--registry"), (env, "$VPO_REGISTRY")):
+        if value is not None:
+            if not value.strip():
+                parser.error(f"{source} is empty: give a folder or s3://bucket/prefix")
+            return value, source
+    if not default:
+        parser.error("no registry given: pass --registry URL (a folder or s3://bucket/prefix) or set VPO_REGISTRY")
+    return str(default), "storage.registry of the default pipeline in pipelines.yaml"

@@ -13,10 +13,10 @@ from datetime import UTC, datetime
 from pathlib import PurePosixPath
 from typing import Any
 
-from vpo.pipeline.checkpoints import FileRecord, manifest_hash
+from vpo.pipeline.engine.checkpoints import FileRecord, manifest_hash
 
-__all__ = ["DEFAULT_METRIC", "Entry", "RegistryError", "RegistryInputError", "StorageUnavailableError", "artifact_name",
-           "best", "latest", "metric_value", "select", "settings_that_differ"]
+__all__ = ["DEFAULT_METRIC", "Entry", "RegistryDiskFull", "RegistryError", "RegistryInputError",
+           "StorageUnavailableError", "artifact_name", "best", "latest", "metric_value", "select", "settings_that_differ"]
 
 DEFAULT_METRIC = "eval.best_at_k.kmax"
 """Metric of ``best`` when none is named: best@k at the largest k the entry was evaluated at."""
@@ -29,6 +29,14 @@ class RegistryError(RuntimeError):
 
 class RegistryInputError(RegistryError):
     """Bad input: unknown or ambiguous key, bad metric or stage name."""
+
+
+class RegistryDiskFull(RegistryError):
+    """The disk holding a local registry is full; ``disk_path`` is the registry's folder."""
+
+    def __init__(self, message: str, disk_path: str) -> None:
+        super().__init__(message)
+        self.disk_path = disk_path
 
 
 class StorageUnavailableError(RegistryError):
@@ -68,6 +76,11 @@ class Entry:
     @property
     def label(self) -> str:
         return f"{self.artifact} {self.hash[:12]}"
+
+    @property
+    def tag_only(self) -> bool:
+        """Known from a GTO version tag alone: the registry has no entry (no metrics, no card)."""
+        return not self.files and not self.objects
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if k != "registry_url"}

@@ -19,12 +19,21 @@ import logging
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from vpo.atomic import atomic_write_bytes
-from vpo.pipeline.registry.entries import HEX64, Entry, RegistryError, StorageUnavailableError, artifact_name
-from vpo.pipeline.storage import StorageError, get_filesystem, is_s3_url, redact, secret_values
+from vpo.pipeline.engine.console import command
+from vpo.pipeline.engine.errors import disk_full, full_disk_text
+from vpo.pipeline.engine.storage import StorageError, get_filesystem, is_s3_url, redact, secret_values
+from vpo.pipeline.registry.entries import (
+    HEX64,
+    Entry,
+    RegistryDiskFull,
+    RegistryError,
+    StorageUnavailableError,
+    artifact_name,
+)
 
 __all__ = ["Store", "now"]
 
@@ -64,10 +73,23 @@ class Store:
             yield
         except (RegistryError, FileNotFoundError):
             raise
+        except OSError as exc:
+            if disk_full(exc)[0] and not self.remote:
+                raise RegistryDiskFull(f"registry {self.url}: could not {doing}: {full_disk_text(Path(self.root))}; "
+                                       "free space there and run the command again", self.root) from None
+            raise self._unavailable(doing, exc) from None
         except _faults() as exc:
-            first = redact((str(exc).strip().splitlines() or [""])[0][:200])
-            raise StorageUnavailableError(f"registry {redact(self.url)}: could not {doing} ({type(exc).__name__}: {first}); "
-                                "check the storage is reachable and run the command again") from None
+            raise self._unavailable(doing, exc) from None
+
+    def _unavailable(self, doing: str, exc: BaseException) -> StorageUnavailableError:
+        first = redact((str(exc).strip().splitlines() or [""])[0][:200])
+        return StorageUnavailableError(f"registry {redact(self.url)}: could not {doing} ({type(exc).__name__}: "
+                                       f"{first}); check the storage is reachable and run the command again")
+
+    def exists(self) -> bool:
+        """Whether anything is at the registry's URL (a folder, or objects under the S3 prefix)."""
+        with self.guard("look it up"):
+            return bool(self.fs.exists(self.root))
 
     def _put(self, path: str, data: bytes) -> None:
         self.fs.pipe_file(path, data) if self.remote else atomic_write_bytes(path, data)
@@ -99,7 +121,8 @@ class Store:
                 except (RegistryError, ValueError, UnicodeDecodeError) as exc:
                     bad.append(f"entry file {'/'.join(parts)} is unreadable ({exc})")
         if legacy:
-            bad.append(f"{legacy} entries in an older registry layout: run `vpo registry migrate` to read them")
+            bad.append(f"{legacy} entries in an older registry layout: run `{command('registry', 'migrate', '--registry', redact(self.url))}` "
+                       "to read them")
         return sorted(entries, key=lambda e: (e.created_at, e.artifact, e.hash)), bad
 
     def read(self, artifact: str, digest: str) -> Entry | None:
@@ -165,7 +188,7 @@ class Store:
 
     def migrate(self) -> list[str]:
         """Move an older layout's entries and aliases (to stage records) into this one; one line each."""
-        from vpo.pipeline.hub import model_card
+        from vpo.pipeline.registry.hub import model_card
 
         done = []
         with self.guard("migrate it"):

@@ -10,6 +10,7 @@ unversioned one from DVC's cache or remote by each file's md5.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import shutil
 import subprocess
@@ -19,9 +20,10 @@ from typing import Any
 
 import yaml
 
+from vpo.pipeline.engine.console import tool
 from vpo.pipeline.registry.entries import Entry, RegistryError
 
-__all__ = ["assign", "fetch_with_dvc", "git_root", "git_state", "gto_state", "tag_version", "unversioned_because"]
+__all__ = ["GTORefused", "assign", "fetch_with_dvc", "git_root", "git_state", "gto_state", "tag_version", "unversioned_because"]
 
 _MESSAGE = re.compile(r"vpo (\S+) (\S+): content sha256 ([0-9a-f]{64})")  # what tag_version writes
 
@@ -72,7 +74,7 @@ def unversioned_because(root: Path | None, path: str | None) -> str | None:
     text = _git(root, "show", "HEAD:./dvc.lock")
     if text is None:
         return "HEAD has no committed dvc.lock"
-    outs = [o for st in (yaml.safe_load(text) or {}).get("stages", {}).values() for o in st.get("outs", [])]
+    outs = _lock_outs(text)
     out = next((o for o in outs if path == o.get("path") or path.startswith(f"{o.get('path')}/")), None)
     if out is None:
         return "HEAD's dvc.lock records no output holding the model"
@@ -84,6 +86,15 @@ def unversioned_because(root: Path | None, path: str | None) -> str | None:
     if obj.hash_info.value != out.get("md5"):
         return "HEAD's dvc.lock records other outputs than this run's (commit dvc.lock, then register again)"
     return None
+
+
+@functools.lru_cache(maxsize=4)
+def _lock_outs(text: str) -> list[dict[str, Any]]:
+    """The outputs a dvc.lock's text records, parsed once per text (a registration of every arm run
+    asks for each of them; the C parser when PyYAML has it: a lock has a thousand lines)."""
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    data = yaml.load(text, Loader=loader) or {}
+    return [o for st in (data.get("stages") or {}).values() for o in st.get("outs", [])]
 
 
 def gto_state(root: Path | None) -> dict[str, dict[str, Any]]:
@@ -128,14 +139,28 @@ def tag_version(root: Path, entry: Entry, rev: str) -> str:
 
 
 def assign(root: Path, entry: Entry, stage: str, *, remove: bool = False) -> None:
-    """Assign (or unassign) GTO stage ``stage`` to the entry's version."""
+    """Assign GTO stage ``stage`` to the entry's version, or (``remove``) unassign it the GTO way: a
+    ``<artifact>#<stage>!#N`` tag, after which ``gto show`` no longer lists the stage. GTO refusing the
+    request is a :class:`RegistryError`; git refusing to write the tag is one too, worded by
+    :func:`_gto_error` (the caller may keep the stage in the registry's own record instead)."""
     from gto.api import assign as gto_assign
     from gto.api import unassign
+    from gto.exceptions import GTOException
 
     try:
-        (unassign if remove else gto_assign)(str(root), entry.artifact, stage, version=entry.version)
-    except Exception as exc:  # noqa: BLE001
+        if remove:
+            unassign(str(root), entry.artifact, version=entry.version, stage=stage)
+        else:
+            gto_assign(str(root), entry.artifact, stage, version=entry.version)
+    except GTOException as exc:
+        raise GTORefused(f"GTO refused to {'unassign' if remove else 'assign'} stage {stage} of {entry.artifact} "
+                         f"{entry.version} ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0]})") from None
+    except Exception as exc:  # noqa: BLE001 - git and scmrepo raise many types (identity, permissions, refs)
         raise _gto_error(exc) from None
+
+
+class GTORefused(RegistryError):
+    """GTO itself refused a request (not git failing to write a tag): nothing to fall back to."""
 
 
 def fetch_with_dvc(root: Path, entry: Entry, dest: Path) -> str:
@@ -158,7 +183,7 @@ def fetch_with_dvc(root: Path, entry: Entry, dest: Path) -> str:
             repo.cloud.pull(missing)
         if lost := [f.path for f in entry.files if not odb.exists(f.md5)]:
             raise RegistryError(f"{entry.label}: {', '.join(lost)} not in the DVC cache or remote; record the run "
-                                "with `dvc commit` and `dvc push` it (the flow does both)")
+                                f"with `{tool('dvc', 'commit')}` and `{tool('dvc', 'push')}` it (the flow does both)")
         for f in entry.files:
             shutil.copyfile(odb.oid_to_path(f.md5), dest / f.path)
     return "the DVC cache and remote (by md5)"

@@ -1,1 +1,1 @@
-"""One module per pipeline stage; each exposes ``run(ctx) -> summary`` (see :mod:`vpo.pipeline.graph`)."""
+"""One module per pipeline stage; each exposes ``run(ctx) -> summary`` (see :mod:`vpo.pipeline.steps`)."""

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from vpo.atomic import atomic_dir, atomic_write_json
-from vpo.pipeline.console import log, progress
-from vpo.pipeline.context import StageContext
-from vpo.pipeline.errors import StageError
+from vpo.pipeline.engine.console import log, progress
+from vpo.pipeline.engine.context import StageContext
+from vpo.pipeline.engine.errors import StageError
 
 __all__ = ["check_tokenizer", "run"]
 
@@ -44,7 +44,7 @@ def _pretrained(ctx: StageContext, folder: Path) -> str:
 
         g = cfg.model.gguf
         path = cfg.resolve_path(g.path) if g.path else None
-        from vpo.pipeline.locking import shared_cache_lock
+        from vpo.pipeline.engine.locking import shared_cache_lock
 
         name = f"{Path(g.file or str(path)).stem}-{cfg.model.dtype}"
         with shared_cache_lock(ctx.layout.model_cache(name), f"the model cache {name}"):  # variants share it
@@ -64,9 +64,9 @@ def _pretrained(ctx: StageContext, folder: Path) -> str:
 
 
 def _parse_line(sft: dict[str, Any]) -> str:
-    """``m=1 0.00 -> 0.95, m=3 0.00 -> 0.80`` from the warm-up's before/after parse check."""
+    """``num_answers=1 0.00 -> 0.95, num_answers=3 0.00 -> 0.80`` from the warm-up's before/after parse check."""
     before, after = sft.get("parse_before") or {}, sft.get("parse_after") or {}
-    return ", ".join(f"m={m} {before.get(m, {}).get('parse_rate', float('nan')):.2f} -> "
+    return ", ".join(f"num_answers={m} {before.get(m, {}).get('parse_rate', float('nan')):.2f} -> "
                      f"{after[m]['parse_rate']:.2f}" for m in sorted(after, key=int))
 
 
@@ -114,7 +114,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     after = sft_info.get("parse_after") or {}
     low = {m: r["parse_rate"] for m, r in after.items() if r["parse_rate"] < cfg.trainer.min_parse_rate}
     if low:
-        log(f"base: warning: after the warm-up the parse rate is {', '.join(f'{v:.0%} at m={m}' for m, v in low.items())}"
+        log(f"base: warning: after the warm-up the parse rate is {', '.join(f'{v:.0%} at num_answers={m}' for m, v in low.items())}"
             f" (below trainer.min_parse_rate {cfg.trainer.min_parse_rate:.0%}): unparsed rollouts score zero, so RL "
             "learns little; raise sft.steps or sft.lr")
     return {k: v for k, v in info.items() if k != "sft"} | {"parse_after": sft_info.get("parse_after")}

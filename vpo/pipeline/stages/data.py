@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from vpo.atomic import atomic_dir, atomic_write_json
-from vpo.pipeline.context import StageContext
-from vpo.pipeline.errors import StageError
+from vpo.pipeline.engine.context import StageContext
+from vpo.pipeline.engine.errors import StageError
 
 __all__ = ["check_row", "rows_frame", "run"]
 

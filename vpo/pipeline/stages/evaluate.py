@@ -20,13 +20,13 @@ from typing import Any
 import numpy as np
 
 from vpo.atomic import atomic_dir, atomic_write_bytes, atomic_write_json, atomic_write_text
-from vpo.pipeline.checkpoints import check_model_dir
 from vpo.pipeline.config import PipelineConfig
-from vpo.pipeline.console import progress
-from vpo.pipeline.console import table as table_out
-from vpo.pipeline.context import StageContext
-from vpo.pipeline.inputs import load_rows, stage_command
-from vpo.pipeline.layout import RunLayout, arm_runs
+from vpo.pipeline.config.layout import RunLayout, arm_runs
+from vpo.pipeline.engine.checkpoints import check_model_dir
+from vpo.pipeline.engine.console import mean_std, progress
+from vpo.pipeline.engine.console import table as table_out
+from vpo.pipeline.engine.context import StageContext
+from vpo.pipeline.engine.inputs import load_rows, stage_command
 
 __all__ = ["aggregate_runs", "eval_rows", "evaluate_one", "plot_best_at_k", "policies", "results_table", "run"]
 
@@ -102,12 +102,12 @@ def _table(agg: Mapping[str, Any], ks: Sequence[int]) -> str:
     for arm, e in agg.items():
         def cell(key: str, k: int, e: Mapping[str, Any] = e) -> str:
             v = e[key].get(str(k))
-            return "n/a" if v is None else f"{v['mean']:.3f} ± {v['std']:.3f}"
+            return "n/a" if v is None else mean_std(v, len(e["runs"]))
 
         lines.append(
             f"| {arm} | {len(e['runs'])} | " + " | ".join(cell("best_at_k", k) for k in ks) + " | "
             + " | ".join(cell("expected_weighted_best_at_k", k) for k in ks) + " | " + cell("pass_at_k", ks[-1])
-            + f" | {e['reward_diversity']['mean']:.3f} ± {e['reward_diversity']['std']:.3f}"
+            + f" | {mean_std(e['reward_diversity'], len(e['runs']))}"
             f" | {e['first_answer_mean']['mean']:.3f} | {e['parse_rate']['mean']:.0%} | "
             f"{e['collapsed_runs']}/{len(e['runs'])} |")
     return "\n".join(lines) + "\n"
@@ -210,13 +210,14 @@ def _learning_plot(cfg: PipelineConfig, layout: RunLayout, path: Path) -> None:
 
 
 def _summary(agg: Mapping[str, Any], ks: Sequence[int]) -> dict[str, Any]:
-    """A few numbers per trained arm (mean over seeds) for `dvc metrics show` / `dvc exp show`:
-    best@1 and best@k at the largest k, and reward diversity."""
+    """The headline numbers of each trained arm (mean over seeds) for ``dvc metrics show`` and ``dvc exp
+    show``, grouped by metric so the columns read ``best@5.grpo  best@5.vpo ... div.grpo ...``: best@k
+    at the largest k first, then ``div``, the reward diversity. Two short-named numbers per arm keep an
+    experiment's row, its changed setting included, within 200 columns; the rest is in ``metrics.json``."""
     k = ks[-1]
-    return {arm: {"best@1": round(e["best_at_k"]["1"]["mean"], 4) if "1" in e["best_at_k"] else None,
-                  f"best@{k}": round(e["best_at_k"][str(k)]["mean"], 4),
-                  "diversity": round(e["reward_diversity"]["mean"], 4)}
-            for arm, e in agg.items() if not arm.startswith("base")}
+    arms = {arm: e for arm, e in agg.items() if not arm.startswith("base")}
+    return {f"best@{k}": {arm: round(e["best_at_k"][str(k)]["mean"], 4) for arm, e in arms.items()},
+            "div": {arm: round(e["reward_diversity"]["mean"], 4) for arm, e in arms.items()}}
 
 
 def _save_npy(path: Path, array: np.ndarray) -> None:

@@ -12,13 +12,13 @@ from __future__ import annotations
 from typing import Any
 
 from vpo.atomic import atomic_write_json
-from vpo.pipeline.checkpoints import check_model_dir
-from vpo.pipeline.console import detail, log
-from vpo.pipeline.context import StageContext
-from vpo.pipeline.hub import push_runs
-from vpo.pipeline.inputs import read_json, stage_command
-from vpo.pipeline.layout import RunLayout, arm_runs
-from vpo.pipeline.storage import redact
+from vpo.pipeline.config.layout import RunLayout, arm_runs
+from vpo.pipeline.engine.checkpoints import check_model_dir
+from vpo.pipeline.engine.console import detail, log
+from vpo.pipeline.engine.context import StageContext
+from vpo.pipeline.engine.inputs import read_json, stage_command
+from vpo.pipeline.engine.storage import redact
+from vpo.pipeline.registry.hub import push_runs
 
 __all__ = ["run"]
 
@@ -30,7 +30,7 @@ def _base_model(cfg: Any) -> str | None:
 
 def run(ctx: StageContext) -> dict[str, Any]:
     """Register every enabled arm run; writes ``registry.json`` with the entries."""
-    from vpo.pipeline.checkpoints import content_hash
+    from vpo.pipeline.engine.checkpoints import content_hash
     from vpo.pipeline.registry import Registry
 
     cfg, layout = ctx.cfg, ctx.layout

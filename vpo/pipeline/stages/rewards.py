@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 
 from vpo.atomic import atomic_dir, atomic_write_json
-from vpo.pipeline.context import StageContext
-from vpo.pipeline.inputs import load_rows
+from vpo.pipeline.engine.context import StageContext
+from vpo.pipeline.engine.inputs import load_rows
 
 __all__ = ["reference_answers", "run"]
 

@@ -23,14 +23,14 @@ import numpy as np
 
 from vpo.atomic import atomic_write_json, atomic_write_text
 from vpo.pipeline.config import PipelineConfig
-from vpo.pipeline.console import log, progress
-from vpo.pipeline.console import table as table_out
-from vpo.pipeline.context import StageContext
-from vpo.pipeline.errors import StageError
-from vpo.pipeline.execution import execution_plan, stage_threads, torch_threads
-from vpo.pipeline.inputs import read_json, read_npy, stage_command
-from vpo.pipeline.layout import ArmRun, RunLayout, arm_runs
-from vpo.pipeline.state import read_state, why_stale, write_state
+from vpo.pipeline.config.layout import ArmRun, RunLayout, arm_runs
+from vpo.pipeline.engine.console import log, progress
+from vpo.pipeline.engine.console import table as table_out
+from vpo.pipeline.engine.context import StageContext
+from vpo.pipeline.engine.errors import StageError
+from vpo.pipeline.engine.execution import concurrency, stage_threads, torch_threads
+from vpo.pipeline.engine.inputs import read_json, read_npy, stage_command
+from vpo.pipeline.engine.state import read_state, why_stale, write_state
 
 __all__ = ["arm_proposer", "run", "search_budget", "search_options", "search_shard", "search_table", "select_problems"]
 
@@ -149,9 +149,9 @@ def _shards_side_by_side(ctx: StageContext, arms: Sequence[str], bar: Any) -> bo
     """Search the arms as ``vpo stage search --arm A`` processes, as many at once as
     ``execution.max_parallel`` and the machine allow (each with a run's threads and GPUs); whether it
     did (one at a time, the caller searches them in this process, with the same threads)."""
-    from vpo.pipeline.fanout import run_processes
+    from vpo.pipeline.engine.fanout import run_processes
 
-    ex = execution_plan(ctx.cfg, len(arms))
+    ex = concurrency(ctx.cfg, len(arms))
     if len(arms) < 2 or ex.max_parallel < 2:
         return False
     log(f"search: {len(arms)} arms, {ex.max_parallel} at once ({ex.reason})")
@@ -206,7 +206,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     atomic_write_json(out / "selection.json", info)
     vpo_arms = [a.name for a in cfg.enabled_arms if a.estimator == "vpo" and a.name in proposers]
     table = search_table(result["curves"], result["comparison"], hard, k_max,
-                         reference=(vpo_arms or list(proposers))[0])
+                         reference=(vpo_arms or list(proposers))[0], blind=_parents_unseen(sc.prompt_mode, task))
     atomic_write_text(layout.search_table, table)
     table_out(table)
     ctx.outcome(f"{len(selected)} problems x {len(proposers)} arms -> {layout.search_table.name}, "
@@ -214,13 +214,25 @@ def run(ctx: StageContext) -> dict[str, Any]:
     return {**info, "solved": {arm: c["final_solved"] for arm, c in result["curves"].items()}}
 
 
+def _parents_unseen(mode: str, task: Any) -> str | None:
+    """Why the proposals do not see their parents (None: they do): then the evolutionary search draws
+    independent samples, exactly what best-of-k draws with the same seeds."""
+    if mode == "plain":
+        return "search.prompt_mode is plain"
+    if mode == "auto" and not callable(getattr(task, "search_prompt", None)):
+        return (f"search.prompt_mode is auto and the {getattr(task, 'name', 'task')!s} task has no search prompt "
+                "(its policy was never trained to read parents)")
+    return None
+
+
 def search_table(curves: Mapping[str, Any], comparison: Mapping[str, Any], hard: Sequence[str], k_max: int,
-                 reference: str | None = None) -> str:
+                 reference: str | None = None, blind: str | None = None) -> str:
     """Markdown: problems solved and mean best score per search arm at the full budget (overall and
     on the hardest subset), then the problems one arm solves and the other does not, for the pairs
     that answer a question: ``reference`` (the VPO arm) against each other arm, and each arm's search
     against its own best-of-k. The table grows with the number of arms, not with its square; every
-    pair stays in ``comparison.json``."""
+    pair stays in ``comparison.json``. ``blind`` says why the proposals do not see their parents: an
+    arm whose search found exactly what its best-of-k found is then one row, and the caption says why."""
     from vpo.search.runner import BASELINE_SUFFIX
 
     n = next(iter(curves.values()))["n_problems"]
@@ -229,23 +241,39 @@ def search_table(curves: Mapping[str, Any], comparison: Mapping[str, Any], hard:
                f"no arm solves at best@{k_max}. Equal budget of answer slots per problem and arm (an m-answer "
                f"policy spends m per call); candidates used = distinct parseable answers scored; solved = the "
                f"problem's best achievable score reached.")
+    same = {arm for arm in curves if blind and (base := curves.get(arm + BASELINE_SUFFIX)) is not None
+            and _outcome(curves[arm]) == _outcome(base)}
+    if same:
+        caption += (f" Search and best-of-k are one row for {', '.join(sorted(same))}: {blind}, so each proposal is an "
+                    "independent sample and the evolutionary search draws exactly what best-of-k draws "
+                    "(`search.prompt_mode: parents` shows the parents to a policy that can read them).")
     lines = [caption, "",
              f"| arm | solved | solved of the hardest {len(hard)} | mean best score | candidates used |",
              "|---|---|---|---|---|"]
     for arm, c in curves.items():
+        if arm.endswith(BASELINE_SUFFIX) and arm[: -len(BASELINE_SUFFIX)] in same:
+            continue
         on_hard = len(hard_set & set(c["solved_ids"]))
-        lines.append(f"| {arm} | {c['final_solved']}/{c['n_problems']} | {on_hard} | {c['final_mean_best']:.3f} | "
+        name = f"{arm} (= best-of-k)" if arm in same else arm
+        lines.append(f"| {name} | {c['final_solved']}/{c['n_problems']} | {on_hard} | {c['final_mean_best']:.3f} | "
                      f"{c['candidates_used']} |")
     lines += ["", "| pair (a vs b) | solved by a only | by b only | both | neither |", "|---|---|---|---|---|"]
     for pair, d in comparison.items():
         a, b = pair.split(" vs ", 1)
         if reference is not None and reference not in (a, b) and b != a + BASELINE_SUFFIX:
             continue
+        if a in same and b == a + BASELINE_SUFFIX:
+            continue
         only_a, only_b = d["n_a_only"], d["n_b_only"]
         if b == reference:  # the reference arm on the left in every row
             a, b, only_a, only_b = b, a, only_b, only_a
         lines.append(f"| {a} vs {b} | {only_a} | {only_b} | {d['n_both']} | {d['n_neither']} |")
     return "\n".join(lines) + "\n"
+
+
+def _outcome(curve: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What a search found: the problems it solved, its mean best score and the candidates it spent."""
+    return (sorted(map(str, curve["solved_ids"])), round(float(curve["final_mean_best"]), 9), curve["candidates_used"])
 
 
 def _search_openevolve(cfg: PipelineConfig, layout: RunLayout, task: Any, rows: list[dict[str, Any]], out: Path

@@ -1,7 +1,7 @@
 """Stage ``train``: one arm run (estimator x seed) trained from the base model with :class:`VPOTrainer`.
 
-The settings reach :class:`VPOConfig` through the one mapping in :mod:`vpo.pipeline.settings`
-(:func:`~vpo.pipeline.settings.vpo_config_kwargs`). When it starts, the stage states the run's batch
+The settings reach :class:`VPOConfig` through the one mapping in :mod:`vpo.pipeline.config.settings`
+(:func:`~vpo.pipeline.config.settings.vpo_config_kwargs`). When it starts, the stage states the run's batch
 in TRL's terms (prompts and completions per optimizer step and per generation round, on the world
 size it will train on); the run record (``metrics.json``) holds the same numbers and the prompts the
 trainer actually generated. With ``trainer.lora`` TRL trains LoRA adapters (a peft config) and the
@@ -38,21 +38,19 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from vpo.atomic import atomic_dir, atomic_write_json
-from vpo.pipeline.checkpoints import check_model_dir, checkpoint_step, latest_checkpoint
-from vpo.pipeline.console import detail, format_numbers, log, progress
-from vpo.pipeline.context import StageContext
-from vpo.pipeline.errors import StageError
-from vpo.pipeline.inputs import load_rows, stage_command
-from vpo.pipeline.plan import check_plan
-from vpo.pipeline.settings import batch_plan, peft_config, vpo_config_kwargs
-from vpo.pipeline.state import read_state, why_stale, write_state
+from vpo.pipeline.config.settings import arm_batch, peft_config, vpo_config_kwargs
+from vpo.pipeline.engine.checkpoints import check_model_dir, checkpoint_step, latest_checkpoint
+from vpo.pipeline.engine.console import detail, format_numbers, log, progress
+from vpo.pipeline.engine.context import StageContext
+from vpo.pipeline.engine.errors import StageError
+from vpo.pipeline.engine.inputs import load_rows, stage_command
+from vpo.pipeline.engine.processes import CHILD_ENV
+from vpo.pipeline.engine.state import read_state, why_stale, write_state
+from vpo.pipeline.memory import check_plan
 from vpo.rewards import VectorReward
 
 __all__ = ["CHILD_ENV", "HEADLINE", "ConsoleProgressCallback", "HarmlessMissingKeysFilter", "ProgressFileCallback",
            "headline", "run"]
-
-CHILD_ENV = "VPO_TRAIN_LAUNCHED"
-"""Set in processes started by ``accelerate launch`` for this stage: they train, nothing else."""
 
 REQUEST_FILE = "request.json"
 
@@ -268,7 +266,7 @@ def _summary(ctx: StageContext, log_history: Sequence[Mapping[str, Any]], second
         "estimator": arm.estimator, "num_answers": arm.num_answers, "num_generations": arm.rollouts_per_prompt,
         "seed": run.seed, "max_steps": arm.max_steps, "train_seconds": round(seconds, 1),
         "resumed_from": resumed_from,
-        "batch": {**batch_plan(cfg, arm).record(), **({"measured": dict(measured)} if measured else {})},
+        "batch": {**arm_batch(cfg, arm).record(), **({"measured": dict(measured)} if measured else {})},
         "lora": lora.model_dump(mode="json") if lora is not None else None,
         "merged": lora is not None,
         "final": {k: float(sum(r[k] for r in tail if r.get(k) is not None) / max(1, sum(r.get(k) is not None
@@ -429,7 +427,7 @@ def _check_world(ctx: StageContext, world: int) -> None:
     """The processes actually training are the ones the batch was planned (and stated) for; else one
     error naming where the planned world size came from."""
     cfg = ctx.cfg
-    planned = batch_plan(cfg, ctx.arm_run.arm).world
+    planned = arm_batch(cfg, ctx.arm_run.arm).world
     if world == planned:
         return
     source = (f"num_processes of trainer.accelerate_config {cfg.trainer.accelerate_config}"
@@ -465,7 +463,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
     check_tokenizer(AutoTokenizer.from_pretrained(str(layout.base)), f"base model {layout.base}")
     if os.environ.get(CHILD_ENV) is None:
-        log(f"{ctx.arm_run.rid}: batch {batch_plan(cfg, ctx.arm_run.arm).describe()}")
+        log(f"{ctx.arm_run.rid}: batch {arm_batch(cfg, ctx.arm_run.arm).describe()}")
     if cfg.trainer.accelerate_config and os.environ.get(CHILD_ENV) is None:
         _fresh_checkpoints(ctx, layout.arm_trainer(ctx.arm_run.rid))
         return _launch(ctx, ["stage", "train", *cfg.cli_args(), "--arm", ctx.arm_run.arm.name,
