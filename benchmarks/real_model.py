@@ -245,20 +245,13 @@ def _git_commit(folder: Path, message: str) -> None:
     print(f"[real-model] committed {rel}: {message}", flush=True)
 
 
-def _job_argv(args: argparse.Namespace, name: str, threads: int) -> list[str]:
-    argv = [sys.executable, str(Path(__file__).resolve()), "job", name, "--results", str(args.results),
-            "--threads", str(threads), "--config", args.config]
-    if args.pipeline:
-        argv += ["--pipeline", args.pipeline]
-    if args.quick:
-        argv.append("--quick")
-    for item in args.set:
-        argv += ["--set", item]
-    return argv
+def _job_argv(cfg: Any, folder: Path, name: str, threads: int) -> list[str]:
+    """The command that computes one result in a child process, on the very config ``cfg``."""
+    return [sys.executable, str(Path(__file__).resolve()), "job", name, "--results", str(folder),
+            "--threads", str(threads), *cfg.cli_args()]
 
 
-def _run_jobs(args: argparse.Namespace, names: list[str], slots: int, threads: int, folder: Path,
-              on_done: Any) -> None:
+def _run_jobs(cfg: Any, names: list[str], slots: int, threads: int, folder: Path, on_done: Any) -> None:
     """Run the named jobs as child processes, ``slots`` at once; stop launching at the first failure."""
     pending, running, failed = list(names), {}, []
     try:
@@ -267,7 +260,7 @@ def _run_jobs(args: argparse.Namespace, names: list[str], slots: int, threads: i
                 name = pending.pop(0)
                 print(f"[real-model] {name}: starting", flush=True)
                 env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-                running[name] = (subprocess.Popen(_job_argv(args, name, threads), cwd=REPO, env=env), time.time())
+                running[name] = (subprocess.Popen(_job_argv(cfg, folder, name, threads), cwd=REPO, env=env), time.time())
             if not running:
                 break
             time.sleep(2)
@@ -299,7 +292,6 @@ def run(args: argparse.Namespace) -> None:
     cfg = load(args)
     record = config_record(cfg)
     folder = Path(args.results or RESULTS / cfg.variant).resolve()
-    args.results = folder
     claim_folder(folder, record)
     names = _base_names(cfg) + record["runs"]
     have = [n for n in names if finished(folder, n, record["digest"])]
@@ -321,8 +313,8 @@ def run(args: argparse.Namespace) -> None:
             _git_commit(folder / name, f"Real-model results: {name} ({cfg.variant}, config {record['digest']})")
 
     bases = [n for n in todo if n.startswith("base-")]
-    _run_jobs(args, bases, slots, threads, folder, done)  # the runs' searches rank problems by the base's results
-    _run_jobs(args, [n for n in todo if n not in bases], slots, threads, folder, done)
+    _run_jobs(cfg, bases, slots, threads, folder, done)  # the runs' searches rank problems by the base's results
+    _run_jobs(cfg, [n for n in todo if n not in bases], slots, threads, folder, done)
     print("[real-model] every result is in; `python benchmarks/real_model.py report` prints the tables", flush=True)
 
 
@@ -429,7 +421,8 @@ def report(args: argparse.Namespace) -> str:
     return text
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line: ``run``, ``report`` and the internal ``job``."""
     from vpo.pipeline.cli import add_common_options
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -446,11 +439,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     p_job.add_argument("--threads", type=int, default=1)
     p_rep = sub.add_parser("report", help="print the tables and draw the plots from the results folder")
     p_rep.add_argument("--results", default=None, help="results folder (default: benchmarks/results/chat-smollm2)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     if args.cmd == "report":
         report(args)
         return
-    if args.pipeline is None:
+    if args.pipeline is None and args.variant is None:
         args.pipeline = "chat-smollm2"
     if args.cmd == "run":
         run(args)

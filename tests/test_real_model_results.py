@@ -95,3 +95,21 @@ def test_vectors_round_trip_through_json() -> None:
     vectors = np.array([[[[1.0, np.nan], [np.nan, np.nan]]]])
     back = real_model._vectors_array(json.loads(json.dumps(real_model._vectors_json(vectors))))
     assert np.array_equal(np.isnan(back), np.isnan(vectors)) and back[0, 0, 0, 0] == 1.0
+
+
+@pytest.mark.parametrize("how", ["pipeline", "variant"])
+def test_a_job_loads_the_very_config_its_run_loaded(tmp_path: Path, how: str) -> None:
+    """The child process of each result gets the run's own options (file, pipeline or variant, preset,
+    overrides), so it computes under the digest the folder was claimed with."""
+    if how == "pipeline":
+        argv = ["run", "--pipeline", "chat-smollm2", "--quick", "--set", "trainer.max_steps=3"]
+    else:
+        argv = ["run", "--variant", "route-quick", "--config", str(REPO / "pipelines.yaml"), "--set", "seed=5"]
+    run_cfg = real_model.load(real_model.parser().parse_args(argv))
+    job_argv = real_model._job_argv(run_cfg, tmp_path, "x-s0", 1)
+    assert job_argv[2:8] == ["job", "x-s0", "--results", str(tmp_path), "--threads", "1"]
+    job_args = real_model.parser().parse_args(job_argv[2:])
+    job_cfg = real_model.load(job_args)
+    assert job_args.name == "x-s0" and job_args.results == str(tmp_path)
+    assert real_model.config_record(job_cfg)["digest"] == real_model.config_record(run_cfg)["digest"]
+    assert (job_cfg.trainer.max_steps, job_cfg.seed) == ((3, 0) if how == "pipeline" else (run_cfg.trainer.max_steps, 5))
