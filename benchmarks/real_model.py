@@ -33,7 +33,6 @@ import hashlib
 import json
 import os
 import platform
-import signal
 import subprocess
 import sys
 import time
@@ -160,9 +159,26 @@ def _vpo(cfg: Any, *argv: str, threads: int) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
            "VPO_STAGE_THREADS": str(threads)}
     cmd = [sys.executable, "-m", "vpo.pipeline.cli", *argv, *cfg.cli_args()]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, check=False)
-    if proc.returncode != 0:
-        raise SystemExit(f"error: `vpo {' '.join(argv)}` exited with {proc.returncode}")
+    code = _wait(_start(cmd, env))
+    if code != 0:
+        raise SystemExit(f"error: `vpo {' '.join(argv)}` exited with {code}")
+
+
+def _start(cmd: Sequence[str], env: Mapping[str, str]) -> subprocess.Popen[Any]:
+    """A child in its own process group, registered so that a signal to this process stops it (and
+    whatever it started) before this process exits: nothing keeps training after the driver is gone."""
+    from vpo.pipeline.engine.processes import track
+
+    return track(subprocess.Popen(list(cmd), cwd=REPO, env=dict(env), start_new_session=True))
+
+
+def _wait(proc: subprocess.Popen[Any]) -> int:
+    from vpo.pipeline.engine.processes import untrack
+
+    try:
+        return proc.wait()
+    finally:
+        untrack(proc)
 
 
 def job(cfg: Any, folder: Path, name: str, threads: int) -> None:
@@ -235,14 +251,32 @@ def _base_names(cfg: Any) -> list[str]:
 # ----------------------------------------------------------------------------------- the driver
 
 
-def _git_commit(folder: Path, message: str) -> None:
+def _git_commit(folder: Path, message: str, attempts: int = 5, pause: float = 2.0) -> bool:
+    """Commit ``folder`` (only it) in this checkout. A failure -- another git command holding the index
+    lock, say -- is retried, then reported, never fatal: the files stay in the folder and the next start
+    commits them (it adds the whole results folder)."""
     rel = os.path.relpath(folder, REPO)
-    subprocess.run(["git", "-C", str(REPO), "add", "--", rel], check=True)
-    staged = subprocess.run(["git", "-C", str(REPO), "diff", "--cached", "--quiet", "--", rel], check=False)
-    if staged.returncode == 0:
-        return
-    subprocess.run(["git", "-C", str(REPO), "commit", "-q", "-m", message, "--", rel], check=True)
-    print(f"[real-model] committed {rel}: {message}", flush=True)
+    error = ""
+    for attempt in range(attempts):
+        try:
+            _git("add", "--", rel)
+            if subprocess.run(["git", "-C", str(REPO), "diff", "--cached", "--quiet", "--", rel],
+                              check=False).returncode == 0:
+                return True  # nothing new
+            _git("commit", "-q", "-m", message, "--", rel)
+            print(f"[real-model] committed {rel}: {message}", flush=True)
+            return True
+        except subprocess.CalledProcessError as exc:
+            lines = (exc.stderr or "").strip().splitlines()
+            error = lines[-1] if lines else f"exit {exc.returncode}"
+            time.sleep(pause * (attempt + 1))
+    print(f"[real-model] warning: could not commit {rel} ({error}); it is kept there, and the next start "
+          "commits it", flush=True)
+    return False
+
+
+def _git(*argv: str) -> None:
+    subprocess.run(["git", "-C", str(REPO), *argv], check=True, capture_output=True, text=True)
 
 
 def _job_argv(cfg: Any, folder: Path, name: str, threads: int) -> list[str]:
@@ -260,7 +294,7 @@ def _run_jobs(cfg: Any, names: list[str], slots: int, threads: int, folder: Path
                 name = pending.pop(0)
                 print(f"[real-model] {name}: starting", flush=True)
                 env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-                running[name] = (subprocess.Popen(_job_argv(cfg, folder, name, threads), cwd=REPO, env=env), time.time())
+                running[name] = (_start(_job_argv(cfg, folder, name, threads), env), time.time())
             if not running:
                 break
             time.sleep(2)
@@ -268,6 +302,7 @@ def _run_jobs(cfg: Any, names: list[str], slots: int, threads: int, folder: Path
                 if proc.poll() is None:
                     continue
                 del running[name]
+                _wait(proc)
                 minutes = (time.time() - t0) / 60
                 if proc.returncode == 0:
                     print(f"[real-model] {name}: done in {minutes:.1f} min", flush=True)
@@ -275,12 +310,17 @@ def _run_jobs(cfg: Any, names: list[str], slots: int, threads: int, folder: Path
                 else:
                     print(f"[real-model] {name}: failed (exit {proc.returncode}) after {minutes:.1f} min", flush=True)
                     failed.append(name)
-    except KeyboardInterrupt:
-        for proc, _ in running.values():
-            proc.send_signal(signal.SIGINT)
-        for proc, _ in running.values():
-            proc.wait()
-        raise SystemExit("[real-model] interrupted: run the same command again to continue with what is missing")
+    except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM, SIGHUP: the signal handler has stopped the jobs
+        from vpo.pipeline.engine.processes import describe
+
+        print(f"[real-model] {describe(exc)}: {', '.join(running) or 'no job'} stopped; run the same command again "
+              "to continue with what is missing (training resumes from its newest checkpoint)", flush=True)
+        raise
+    except BaseException:  # a bug here: no job keeps running without the driver
+        from vpo.pipeline.engine.processes import stop_all
+
+        stop_all()
+        raise
     if failed:
         raise SystemExit(f"error: {', '.join(failed)} failed (their output is above); the finished runs are kept")
 
@@ -449,10 +489,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     if args.pipeline is None and args.variant is None:
         args.pipeline = "chat-smollm2"
-    if args.cmd == "run":
-        run(args)
-    else:
-        job(load(args), Path(args.results), args.name, args.threads)
+    from vpo.pipeline.engine.processes import exit_code, stop_on_signals
+
+    try:
+        with stop_on_signals():  # SIGTERM and SIGHUP as Ctrl-C: the children first, then this process
+            if args.cmd == "run":
+                run(args)
+            else:
+                job(load(args), Path(args.results), args.name, args.threads)
+    except KeyboardInterrupt as exc:
+        raise SystemExit(exit_code(exc)) from None
 
 
 if __name__ == "__main__":

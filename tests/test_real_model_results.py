@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -113,3 +114,36 @@ def test_a_job_loads_the_very_config_its_run_loaded(tmp_path: Path, how: str) ->
     assert job_args.name == "x-s0" and job_args.results == str(tmp_path)
     assert real_model.config_record(job_cfg)["digest"] == real_model.config_record(run_cfg)["digest"]
     assert (job_cfg.trainer.max_steps, job_cfg.seed) == ((3, 0) if how == "pipeline" else (run_cfg.trainer.max_steps, 5))
+
+
+def _git(repo: Path, *argv: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), *argv], check=True, capture_output=True, text=True).stdout
+
+
+def test_a_finished_result_is_committed_alone_and_a_held_lock_is_not_fatal(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each finished result is committed by itself (whatever else is staged stays out of it); when git
+    cannot commit (the index locked by another command) the run goes on and says so."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    _git(repo, "config", "user.email", "t@example.invalid")
+    _git(repo, "config", "user.name", "t")
+    (repo / "other.txt").write_text("staged, not mine\n")
+    _git(repo, "add", "other.txt")
+    monkeypatch.setattr(real_model, "REPO", repo)
+    folder = repo / "benchmarks" / "results" / "x"
+    _result(folder, "grpo-s0", "abc", 0.5)
+    assert real_model._git_commit(folder / "grpo-s0", "Real-model results: grpo-s0")
+    assert sorted(_git(repo, "show", "--name-only", "--format=", "HEAD").split()) == [
+        f"benchmarks/results/x/grpo-s0/{f}" for f in ("curve.json", "eval.json", "result.json")]
+    assert "other.txt" in _git(repo, "diff", "--cached", "--name-only")
+    assert real_model._git_commit(folder / "grpo-s0", "again")  # nothing new: no empty commit
+    assert _git(repo, "rev-list", "--count", "HEAD").strip() == "1"
+    _result(folder, "vpo-s0", "abc", 0.6)
+    (repo / ".git" / "index.lock").write_text("")
+    assert not real_model._git_commit(folder / "vpo-s0", "Real-model results: vpo-s0", attempts=2, pause=0.01)
+    assert "could not commit benchmarks/results/x/vpo-s0" in capsys.readouterr().out
+    (repo / ".git" / "index.lock").unlink()
+    assert real_model._git_commit(folder, "the next start")  # the whole folder: what was left out comes in
+    assert "benchmarks/results/x/vpo-s0/result.json" in _git(repo, "show", "--name-only", "--format=", "HEAD")
