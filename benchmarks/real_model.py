@@ -33,10 +33,12 @@ import hashlib
 import json
 import os
 import platform
+import resource
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -199,28 +201,39 @@ def job(cfg: Any, folder: Path, name: str, threads: int) -> None:
     times: dict[str, float] = {}
     run = next((r for r in _runs(cfg) if r.rid == name), None)
     if run is not None:
-        t0 = time.time()
-        _vpo(cfg, "stage", "train", "--arm", run.arm.name, "--seed", str(run.seed), threads=threads)
-        times["train_s"] = round(time.time() - t0, 1)
+        with _timed(times, "train"):
+            _vpo(cfg, "stage", "train", "--arm", run.arm.name, "--seed", str(run.seed), threads=threads)
         history = layout.arm_history(name)
         _write_json(out / "curve.json", json.loads(history.read_text()))
     policy = next(p for p in policies(cfg, layout) if p.rid == name)
     rows = eval_rows(cfg, layout)
-    t0 = time.time()
-    res, vectors = evaluate_one(cfg, task, rows, policy)
-    times["evaluate_s"] = round(time.time() - t0, 1)
+    with _timed(times, "evaluate"):
+        res, vectors = evaluate_one(cfg, task, rows, policy)
     _write_json(out / "eval.json", res)
     _write_json(out / "vectors.json", _vectors_json(vectors))
     if run is not None and cfg.search is not None and cfg.search.enabled:
-        t0 = time.time()
-        _write_json(out / "search.json", _search(cfg, layout, task, rows, run, folder))
-        times["search_s"] = round(time.time() - t0, 1)
+        with _timed(times, "search"):
+            _write_json(out / "search.json", _search(cfg, layout, task, rows, run, folder))
     metrics = layout.arm_metrics(name)
     _write_json(out / RESULT_FILE, {
         "name": name, "digest": record["digest"], "variant": cfg.variant, "commit": _commit(), "machine": _machine(),
         "threads": threads, "times": times, "base_weights": _base_digest(layout),
         "train": json.loads(metrics.read_text()) if run is not None and metrics.is_file() else None,
-        "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+        "load_at_finish": [round(x, 2) for x in os.getloadavg()], "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+
+
+@contextmanager
+def _timed(times: dict[str, float], phase: str) -> Iterator[None]:
+    """Record ``<phase>_s`` (wall seconds) and ``<phase>_cpu_s`` (CPU seconds of this process and of the
+    children it waited for: the train stage's process) of the block in ``times``."""
+    def cpu() -> float:
+        own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+    w0, c0 = time.time(), cpu()
+    yield
+    times[f"{phase}_s"] = round(time.time() - w0, 1)
+    times[f"{phase}_cpu_s"] = round(cpu() - c0, 1)
 
 
 def _search(cfg: Any, layout: Any, task: Any, rows: Sequence[Mapping[str, Any]], run: Any,

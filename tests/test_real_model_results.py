@@ -147,3 +147,15 @@ def test_a_finished_result_is_committed_alone_and_a_held_lock_is_not_fatal(
     (repo / ".git" / "index.lock").unlink()
     assert real_model._git_commit(folder, "the next start")  # the whole folder: what was left out comes in
     assert "benchmarks/results/x/vpo-s0/result.json" in _git(repo, "show", "--name-only", "--format=", "HEAD")
+
+
+def test_a_phase_counts_the_cpu_of_the_child_it_waited_for() -> None:
+    """The train phase runs in a child process: its CPU time is the result's CPU time too."""
+    import sys
+
+    times: dict[str, float] = {}
+    with real_model._timed(times, "train"):
+        busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass"
+        subprocess.run([sys.executable, "-c", busy], check=True)
+    assert set(times) == {"train_s", "train_cpu_s"}
+    assert times["train_cpu_s"] >= 0.3 and times["train_s"] >= 0.0
