@@ -5,14 +5,18 @@ SmolLM2 base) on the phrase task and splits every step into phases by timing the
 methods: generation (``_generate_single_turn``), log-prob forward passes (loss, old or reference
 log-probs), backward, optimizer and the rest (reward scoring, data, logging). Each phase's FLOPs are
 counted from the model's shapes and the token counts of that step (executed: what the padded tensors
-cost; useful: real prompt and completion tokens only), and set against the best fp32 matmul rate
-torch reaches on this machine with the same thread count.
+cost; useful: real prompt and completion tokens only), and set against the best float32 and bfloat16
+matmul rates torch reaches on this machine with the same thread count (the two ceilings: a float32
+step can at best reach the first; bf16 matmuls, where the CPU has avx512_bf16 or AMX, the second).
 
 Timings are CPU seconds of this process (``time.process_time``) as well as wall seconds: with one
 torch thread the CPU time of the step does not grow when other jobs share the cores, so the ratio
 stays meaningful on a busy machine (the wall-clock figures are printed too, with the load average).
 
     python benchmarks/step_cost.py --model runs/chat-smollm2/base --steps 4 --threads 1 --lora
+
+``--dtype bfloat16`` loads the frozen base in bf16 (LoRA adapters and their optimizer state stay
+float32); ``--profile FILE`` writes torch's profile of the generation round of the first measured step.
 """
 
 from __future__ import annotations
@@ -33,12 +37,13 @@ import torch
 # -------------------------------------------------------------------------------- matmul ceiling
 
 
-def matmul_rate(threads: int, shapes: list[tuple[int, int, int]], seconds: float = 1.0) -> dict[str, Any]:
-    """GFLOP per CPU second and per wall second of ``a @ b`` (fp32) for each (M, K, N)."""
+def matmul_rate(threads: int, shapes: list[tuple[int, int, int]], seconds: float = 1.0,
+                dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """GFLOP per CPU second and per wall second of ``a @ b`` in ``dtype`` for each (M, K, N)."""
     torch.set_num_threads(threads)
     out = {}
     for m, k, n in shapes:
-        a, b = torch.randn(m, k), torch.randn(k, n)
+        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
         for _ in range(3):
             a @ b
         flop = 2.0 * m * k * n
@@ -84,8 +89,11 @@ class Phases:
         self.wall: dict[str, float] = defaultdict(float)
         self.counts: dict[str, float] = defaultdict(float)
 
-    def wrap(self, name: str, fn: Callable[..., Any], after: Callable[..., None] | None = None) -> Callable[..., Any]:
+    def wrap(self, name: str, fn: Callable[..., Any], after: Callable[..., None] | None = None,
+             before: Callable[[], None] | None = None) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
+            if before is not None:
+                before()
             c0, w0 = time.process_time(), time.perf_counter()
             out = fn(*args, **kwargs)
             self.cpu[name] += time.process_time() - c0
@@ -106,30 +114,67 @@ def _distinct(prompts: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
     return list(dict.fromkeys(prompts))
 
 
-def instrument(trainer: Any, phases: Phases, fm: Mapping[str, float]) -> None:
+def _profiled(fn: Callable[..., Any], path: str, call: int = 2) -> Callable[..., Any]:
+    """``fn``, whose ``call``-th call (the first measured step's generation round) runs under torch's
+    profiler; the operator table (by self CPU time) is written to ``path``."""
+    count = [0]
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        if count[0] != call:
+            return fn(*args, **kwargs)
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            out = fn(*args, **kwargs)
+        Path(path).write_text(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30) + "\n")
+        return out
+
+    return run
+
+
+def instrument(trainer: Any, phases: Phases, fm: Mapping[str, float], profile: str | None = None) -> None:
     """Time the trainer's generation, log-prob passes, backward, optimizer and reward scoring, and
-    add up each pass's FLOPs: ``executed`` (the padded tensors that ran: every row's prompt under
-    TRL's path, each distinct prompt once under the shared-prefix path) and ``useful`` (each
-    distinct prompt once and every completion, without padding)."""
+    add up each pass's FLOPs: ``executed`` (the padded tensors that ran: in generation counted call by
+    call, so rows that left the batch and masked cache positions are as they ran; in the log-prob passes
+    every row's prompt under TRL's path, each distinct prompt once under the shared-prefix path) and
+    ``useful`` (each distinct prompt once and every completion, without padding)."""
     shared = trainer._share_prefix() if hasattr(trainer, "_share_prefix") else False
+
+    executed: list[float] = []  # FLOPs of the forward calls inside the current generation round
+
+    def count_forward(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        """What one forward call during generation executes: its tokens, each query's attention span
+        (the whole preallocated cache when it is a static one: masked positions are computed too) and
+        the LM head rows it keeps."""
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if not executed or ids is None:
+            return
+        b, q = ids.shape
+        cache = kwargs.get("past_key_values")
+        past = int(cache.get_seq_length()) if cache is not None else 0
+        lengths = {getattr(layer, "max_cache_len", None) for layer in getattr(cache, "layers", [])} - {None}
+        span = b * q * max(lengths) if lengths else b * sum(past + j + 1 for j in range(q))
+        keep = kwargs.get("logits_to_keep") or q
+        executed[0] += forward_flops(fm, b * q, span, b * min(int(keep), q))
+
+    causal_lm = trainer.accelerator.unwrap_model(trainer.model)
+    causal_lm = causal_lm.get_base_model() if hasattr(causal_lm, "get_base_model") else causal_lm
+    causal_lm.register_forward_pre_hook(count_forward, with_kwargs=True)
+
+    def before_generate() -> None:
+        executed[:] = [0.0]
 
     def after_generate(out: Any, prompt_ids: Any, *args: Any, **kwargs: Any) -> None:
         lengths = [len(c) for c in out[0]]
         prompts = [tuple(p) for p in prompt_ids]
-        b, p, s = len(lengths), max(len(x) for x in prompts), max(lengths)
         distinct = _distinct(prompts)
-        u = len(distinct)
-        decode_ctx = b * sum(p + t for t in range(s))  # step t attends the padded prompt + t tokens
-        if shared and u < b:
-            ex = forward_flops(fm, u * (p - 1), u * (p - 1) * p / 2, u) + forward_flops(fm, b * s, decode_ctx, b * s)
-        else:
-            ex = forward_flops(fm, b * p, b * p * (p + 1) / 2, b) + forward_flops(
-                fm, b * (s - 1), decode_ctx - b * p, b * (s - 1))
         useful = sum(forward_flops(fm, len(x), len(x) * (len(x) + 1) / 2, 0) for x in distinct) + sum(
             forward_flops(fm, c, sum(len(x) + t for t in range(c)), c) for x, c in zip(prompts, lengths))
-        phases.counts["generate"] += ex
+        phases.counts["generate"] += executed[0] if executed else 0.0
         phases.counts["generate_useful"] += useful
         phases.counts["completion_tokens"] += sum(lengths)
+        executed.clear()
 
     def after_logps(out: Any, model: Any, input_ids: Any, attention_mask: Any, logits_to_keep: int,
                     *args: Any, **kwargs: Any) -> None:
@@ -153,7 +198,10 @@ def instrument(trainer: Any, phases: Phases, fm: Mapping[str, float]) -> None:
             phases.counts["grad_forward"] += ex
             phases.counts["grad_forward_useful"] += useful
 
-    trainer._generate_single_turn = phases.wrap("generate", trainer._generate_single_turn, after_generate)
+    generate = trainer._generate_single_turn
+    if profile is not None:
+        generate = _profiled(generate, profile)
+    trainer._generate_single_turn = phases.wrap("generate", generate, after_generate, before_generate)
     trainer._get_per_token_logps_and_entropies = phases.wrap(
         "logp_forward", trainer._get_per_token_logps_and_entropies, after_logps)
     trainer._calculate_rewards = phases.wrap("rewards", trainer._calculate_rewards)
@@ -214,7 +262,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
     task = PhraseTask(n_train=max(64, args.prompts * (args.steps + 1)), n_test=8, seed=0)
     rows = task.load("train")
     data = Dataset.from_list([{**r, "prompt": model_prompt(task, r, args.m, tok)} for r in rows])
@@ -249,7 +297,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     trainer = trainer_class(model=model, reward=task.reward, args=cfg, train_dataset=data, processing_class=tok,
                          callbacks=[timer.callback], peft_config=peft_config)
     fm = flop_model(model.config)
-    instrument(trainer, phases, fm)
+    instrument(trainer, phases, fm, args.profile)
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in trainer.model.parameters())
     # weight gradients cost about one forward per trainable weight: the trainable share of the matmul weights
@@ -266,11 +314,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "flop_model": fm, "load_before": load0, "load_after": os.getloadavg()}
 
 
-def summarise(res: Mapping[str, Any], ceiling: float) -> str:
-    """A markdown table: per phase CPU seconds, GFLOP, GFLOP per CPU second and the ratio to ``ceiling``."""
+def summarise(res: Mapping[str, Any], ceilings: Mapping[str, float]) -> str:
+    """A markdown table: per phase CPU seconds, GFLOP, GFLOP per CPU second and the ratio to each of
+    ``ceilings`` (name -> GFLOP per CPU second: the float32 and bfloat16 matmul ceilings)."""
     steps = res["steps"]
-    lines = ["| phase | CPU s/step | wall s/step | GFLOP/step executed (useful) | GFLOP/CPU-s | of matmul ceiling |",
-             "|---|---|---|---|---|---|"]
+    names = list(ceilings)
+    lines = ["| phase | CPU s/step | wall s/step | GFLOP/step executed (useful) | GFLOP/CPU-s | "
+             + " | ".join(f"of {n} ceiling" for n in names) + " |", "|---|---|---|---|---|" + "---|" * len(names)]
     total_cpu = statistics.median(s["step_cpu"] for s in steps)
     total_flop = statistics.median(sum(v for k, v in s["flops"].items() if not k.endswith("_useful")) for s in steps)
     total_useful = statistics.median(sum(v for k, v in s["flops"].items() if k.endswith("_useful")) for s in steps)
@@ -280,15 +330,21 @@ def summarise(res: Mapping[str, Any], ceiling: float) -> str:
         fl = statistics.median(s["flops"].get(ph, 0.0) for s in steps)
         fu = statistics.median(s["flops"].get(f"{ph}_useful", 0.0) for s in steps)
         flop_cell = f"{fl / 1e9:.1f} ({fu / 1e9:.1f})" if fl else "-"
-        rate_cells = (f"{fl / cpu / 1e9:.1f} | {fl / cpu / 1e9 / ceiling:.0%}" if fl and cpu > 0 else "- | -")
+        if fl and cpu > 0:
+            rate = fl / cpu / 1e9
+            rate_cells = f"{rate:.1f} | " + " | ".join(f"{rate / c:.0%}" for c in ceilings.values())
+        else:
+            rate_cells = "- | " + " | ".join("-" for _ in names)
         lines.append(f"| {ph} | {cpu:.2f} | {wall:.2f} | {flop_cell} | {rate_cells} |")
     other = total_cpu - statistics.median(sum(s["cpu"].values()) for s in steps)
-    lines.append(f"| other | {other:.2f} | | | | |")
+    lines.append(f"| other | {other:.2f} | | | |" + " |" * len(names))
     rate = total_flop / total_cpu / 1e9
     urate = total_useful / total_cpu / 1e9
     lines.append(f"| **step** | {total_cpu:.2f} | {statistics.median(s['step_wall'] for s in steps):.2f} | "
                  f"{total_flop / 1e9:.1f} ({total_useful / 1e9:.1f}) | {rate:.1f} (useful {urate:.1f}) | "
-                 f"{rate / ceiling:.0%} (useful {urate / ceiling:.0%}) |")
+                 + " | ".join(f"{rate / c:.0%} (useful {urate / c:.0%})" for c in ceilings.values()) + " |")
+    tokens = statistics.median(s["counts"].get("completion_tokens", 0.0) for s in steps)
+    lines.append(f"\n{tokens:.0f} completion tokens per step (median)")
     return "\n".join(lines)
 
 
@@ -310,21 +366,26 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lora-r", type=int, default=16)
     ap.add_argument("--shared-prefix", action=argparse.BooleanOptionalAction, default=True,
                     help="run each distinct prompt once in generation and in the loss (vpo.shared_prefix)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="the frozen base's dtype (LoRA adapters and their optimizer state stay float32)")
+    ap.add_argument("--profile", default=None, metavar="FILE",
+                    help="write torch's profile (operators by self CPU time) of the first measured generation round")
     ap.add_argument("--out", default="runs/bench-step-cost")
     ap.add_argument("--json", default=None, help="write the full results here")
     args = ap.parse_args(argv)
     shapes = [(2048, 2048, 2048), (args.prompts * args.generations, 576, 1536), (1024, 576, 1536)]
-    ceil = matmul_rate(args.threads, shapes)
-    ceiling = max(v["gflop_per_cpu_s"] for v in ceil.values())
+    ceil = {name: matmul_rate(args.threads, shapes, dtype=getattr(torch, name)) for name in ("float32", "bfloat16")}
+    ceilings = {name: max(v["gflop_per_cpu_s"] for v in rates.values()) for name, rates in ceil.items()}
     res = run(args)
     res["matmul"] = ceil
-    res["ceiling_gflop_per_cpu_s"] = ceiling
+    res["ceilings_gflop_per_cpu_s"] = ceilings
     res["command"] = "python benchmarks/step_cost.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    print(f"matmul fp32, {args.threads} thread(s): " + ", ".join(
-        f"{k}: {v['gflop_per_cpu_s']:.1f} GFLOP/CPU-s ({v['gflop_per_wall_s']:.1f}/wall-s)" for k, v in ceil.items()))
-    print(f"trainable parameters {res['trainable_params']:,} of {res['total_params']:,}; load "
+    for name, rates in ceil.items():
+        print(f"matmul {name}, {args.threads} thread(s): " + ", ".join(
+            f"{k}: {v['gflop_per_cpu_s']:.1f} GFLOP/CPU-s ({v['gflop_per_wall_s']:.1f}/wall-s)" for k, v in rates.items()))
+    print(f"trainable parameters {res['trainable_params']:,} of {res['total_params']:,}; base {args.dtype}; load "
           f"{res['load_before'][0]:.1f} -> {res['load_after'][0]:.1f}")
-    print(summarise(res, ceiling))
+    print(summarise(res, ceilings))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1, default=float))
 

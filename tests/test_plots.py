@@ -56,7 +56,7 @@ def test_evaluation_plot_notes_coinciding_arms(tmp_path: Path, monkeypatch) -> N
                                                                                          ("5", 0.45))}
     agg = {arm: {"runs": ["r"], "best_at_k": c, "expected_weighted_best_at_k": c, "pass_at_k": c}
            for arm, c in (("grpo", curve), ("grpo_x3", curve), ("vpo", other))}
-    evaluate._plot(agg, [1, 3, 5], tmp_path / "p.png", "t")
+    evaluate.plot_best_at_k(agg, [1, 3, 5], tmp_path / "p.png", "t")
     assert (tmp_path / "p.png").stat().st_size > 1000
     assert notes.count("lines drawn on top of each other: grpo = grpo_x3") == 3
 

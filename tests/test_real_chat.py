@@ -124,8 +124,10 @@ def test_two_vpo_steps_learn_evaluate_and_register(chat_run: tuple[Path, str]) -
     run = runs / "chat-smollm2-quick"
     history = [rec for rec in json.loads((run / "arms" / "vpo-s0" / "history.json").read_text()) if "loss" in rec]
     assert len(history) == 2, history
-    assert all(rec["grad_norm"] > 0 and rec["vpo/frac_unparsed"] < 1.0 for rec in history), history
-    assert any(rec["loss"] != 0.0 for rec in history), history
+    assert all(rec["vpo/frac_unparsed"] < 1.0 for rec in history), history
+    # a step whose 4 rollouts all score the same has zero advantages, so no gradient (by design): the
+    # sampled tokens decide whether that happens, so one step with a signal is what is asserted
+    assert any(rec["grad_norm"] > 0 and rec["loss"] != 0.0 for rec in history), history
     assert "vpo-s0: warning" not in stdout, stdout
     # the RL step trained LoRA adapters; the published model is the base with them merged in
     from safetensors.torch import load_file

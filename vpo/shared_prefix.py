@@ -18,21 +18,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["SharedPrefixMixin", "group_prompts", "group_shuffle", "shared_prefix_generate", "shared_prefix_logps"]
+from vpo.decoding import decode, group_prompts
 
+__all__ = ["SharedPrefixMixin", "group_prompts", "group_shuffle", "shared_prefix_generate", "shared_prefix_logps",
+           "trim_completion_padding"]
 
-def group_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(first row of each distinct prompt, index of each row's distinct prompt), comparing the
-    padded ids and masks exactly; order of first appearance."""
-    key = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)
-    _, inverse = torch.unique(key, dim=0, return_inverse=True)
-    first: dict[int, int] = {}
-    for row, u in enumerate(inverse.tolist()):
-        first.setdefault(u, row)
-    order = sorted(first, key=first.__getitem__)  # distinct prompts in order of first appearance
-    remap = torch.empty(len(order), dtype=torch.long)
-    remap[torch.tensor(order)] = torch.arange(len(order))
-    return torch.tensor([first[u] for u in order], dtype=torch.long), remap[inverse]
+# per-completion-token fields of TRL's batch (B, C): cut together with the completion's padding
+_PER_TOKEN = ("completion_ids", "completion_mask", "tool_mask", "old_per_token_logps", "ref_per_token_logps",
+              "sampling_per_token_logps", "importance_sampling_ratio", "advantages")
 
 
 def _prefix_cache(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> Any:
@@ -74,24 +67,15 @@ def shared_prefix_logps(model: Any, input_ids: torch.Tensor, attention_mask: tor
 
 @contextmanager
 def shared_prefix_generate(model: Any) -> Iterator[None]:
-    """While active, ``model.generate(input_ids=..., attention_mask=...)`` prefills each distinct
-    prompt once and hands every row a copy of its prompt's cache (same tokens, same sampling)."""
+    """While active, ``model.generate(input_ids=..., attention_mask=...)`` decodes with
+    :func:`vpo.decoding.decode`: each distinct prompt is prefilled once and every row continues from a copy
+    of its prompt's cache (same tokens greedy, same distribution sampled)."""
     original = model.generate
 
-    def generate(*args: Any, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                 **kwargs: Any) -> Any:
-        if (args or input_ids is None or attention_mask is None or "past_key_values" in kwargs
-                or input_ids.size(1) < 2):
-            return original(*args, input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-        firsts, rows = group_prompts(input_ids, attention_mask)
-        if len(firsts) == input_ids.size(0):  # nothing shared
-            return original(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-        with torch.no_grad():
-            cache = _prefix_cache(model, input_ids[firsts, :-1], attention_mask[firsts, :-1])
-        if cache is None:
-            return original(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-        cache.batch_select_indices(rows.to(input_ids.device))
-        return original(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, **kwargs)
+    def generate(*args: Any, **kwargs: Any) -> Any:
+        if args or "custom_generate" in kwargs or kwargs.get("past_key_values") is not None:
+            return original(*args, **kwargs)
+        return original(custom_generate=decode, **kwargs)
 
     model.generate = generate
     try:
@@ -120,6 +104,25 @@ def group_shuffle(batch: dict[str, Any]) -> dict[str, Any]:
     return {key: permute(val) for key, val in batch.items()}
 
 
+def trim_completion_padding(inputs: dict[str, Any]) -> dict[str, Any]:
+    """A micro-batch without the trailing completion columns none of its rows uses: completions are padded to
+    the longest of the whole generation round, a micro-batch (one prompt group) often ends earlier. The
+    padding is masked out of every loss, so the loss and its gradients are the same and the forward and
+    backward passes shorter."""
+    mask = inputs["completion_mask"]
+    width = mask.size(1)
+    used = mask.any(0).nonzero()
+    keep = int(used.max()) + 1 if used.numel() else 1
+    if keep >= width:
+        return inputs
+    out = dict(inputs)
+    for key in _PER_TOKEN:
+        value = inputs.get(key)
+        if isinstance(value, torch.Tensor) and value.ndim >= 2 and value.size(1) == width:
+            out[key] = value[:, :keep]
+    return out
+
+
 @contextmanager
 def _grouped_shuffle() -> Iterator[None]:
     """While active, TRL's GRPOTrainer shuffles its generation batch by prompt groups."""
@@ -141,6 +144,9 @@ class SharedPrefixMixin:
     """For a subclass of TRL's ``GRPOTrainer``: generation and log-probabilities run each distinct
     prompt once (:func:`shared_prefix_generate`, :func:`shared_prefix_logps`) when
     ``args.share_prompt_prefix`` is true and the setting allows it; otherwise TRL's own path.
+
+    The loss of a micro-batch runs without the completion columns none of its rows uses
+    (:func:`trim_completion_padding`).
 
     Within one optimizer step the order of micro-batches does not change the gradient, so when a
     generation round feeds exactly one optimizer step (``steps_per_generation`` equals
@@ -177,6 +183,11 @@ class SharedPrefixMixin:
             if ent is not None:
                 entropies.append(ent)
         return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
+
+    def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> Any:
+        if self._share_prefix():
+            inputs = trim_completion_padding(inputs)
+        return super()._compute_loss(model, inputs)  # type: ignore[misc]
 
     def _prepare_inputs(self, generation_batch: Any) -> Any:
         args = self.args  # type: ignore[attr-defined]

@@ -29,7 +29,7 @@ from vpo.pipeline.engine.context import StageContext
 from vpo.pipeline.engine.inputs import load_rows, stage_command
 from vpo.pipeline.engine.policy import sampling_options
 
-__all__ = ["policies", "run"]
+__all__ = ["aggregate_runs", "eval_rows", "evaluate_one", "plot_best_at_k", "policies", "results_table", "run"]
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ def _prompt_fn(task: Any, policy: Policy) -> Any:
     return lambda row, m: goal_prompt(model_prompt(task, row, m, tok), w_star, names)
 
 
-def _aggregate(per_run: Mapping[str, Mapping[str, Any]], groups: Mapping[str, list[str]],
+def aggregate_runs(per_run: Mapping[str, Mapping[str, Any]], groups: Mapping[str, list[str]],
                collapse_threshold: float) -> dict[str, Any]:
     """Mean, std and min/max over seeds for every metric curve; how many runs collapsed."""
     agg: dict[str, Any] = {}
@@ -114,6 +114,13 @@ def _table(agg: Mapping[str, Any], ks: Sequence[int]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def results_table(agg: Mapping[str, Any], ks: Sequence[int], pool: str,
+                  oracle: Mapping[str, Any] | None = None) -> str:
+    """The markdown result table (mean ± std over seeds per arm), with the line saying how best@k
+    draws its candidates and, where the task has one, the oracle line."""
+    return _pool_line(pool) + _table(agg, ks) + _oracle_line(oracle, ks)
+
+
 def _oracle(task: Any, rows: Sequence[Mapping[str, Any]], ks: Sequence[int]) -> dict[str, Any] | None:
     """Reference ceilings on the mean scalar for tasks that can compute them (route): the
     prompt-only greedy best-of-k (what k answers chosen without the hidden information can reach)
@@ -144,7 +151,7 @@ def _oracle_line(oracle: Mapping[str, Any] | None, ks: Sequence[int]) -> str:
             f"{oracle['full_information_label']}: {oracle['full_information']:.3f}.\n")
 
 
-def _plot(agg: Mapping[str, Any], ks: Sequence[int], path: Path, title: str,
+def plot_best_at_k(agg: Mapping[str, Any], ks: Sequence[int], path: Path, title: str,
           oracle: Mapping[str, Any] | None = None) -> None:
     import matplotlib
 
@@ -221,20 +228,40 @@ def _save_npy(path: Path, array: np.ndarray) -> None:
     atomic_write_bytes(path, buf.getvalue())
 
 
-def run(ctx: StageContext) -> dict[str, Any]:
-    """Sample, score and aggregate every policy; write ``eval/``."""
+def eval_rows(cfg: PipelineConfig, layout: RunLayout) -> list[dict[str, Any]]:
+    """The held-out problems the evaluation (and the search) use: ``evaluation.split``, at most
+    ``evaluation.max_problems`` of them, in the split's order."""
+    rows = load_rows(cfg, cfg.evaluation.split, layout)
+    return rows[: cfg.evaluation.max_problems] if cfg.evaluation.max_problems else rows
+
+
+def evaluate_one(cfg: PipelineConfig, task: Any, rows: Sequence[Mapping[str, Any]], policy: Policy
+                 ) -> tuple[dict[str, Any], np.ndarray]:
+    """One policy's metrics (with the seconds it took) and reward vectors, sampled with the
+    pipeline's evaluation settings: what the stage computes for each policy."""
     from vpo.evaluate import evaluate_policy
     from vpo.generation import release_policy
 
+    ev = cfg.evaluation
+    t0 = time.time()
+    options = sampling_options(cfg)  # on this stage's device in the policy's dtype; one vLLM engine at a time
+    res, vectors = evaluate_policy(task, str(policy.model_dir), rows, m=policy.m, n_samples=ev.n_samples, ks=ev.k,
+                                   temperature=ev.temperature, max_new_tokens=policy.max_new_tokens, seed=ev.seed,
+                                   num_weights=ev.num_weights, pool=ev.pool, prompt_fn=_prompt_fn(task, policy),
+                                   **options)
+    release_policy()  # this policy's memory (model or vLLM engine) is free before the next one loads
+    res["seconds"] = round(time.time() - t0, 1)
+    return res, vectors
+
+
+def run(ctx: StageContext) -> dict[str, Any]:
+    """Sample, score and aggregate every policy; write ``eval/``."""
     cfg, layout, task = ctx.cfg, ctx.layout, ctx.task
     ev = cfg.evaluation
-    rows = load_rows(cfg, ev.split, layout)
-    if ev.max_problems:
-        rows = rows[: ev.max_problems]
+    rows = eval_rows(cfg, layout)
     per_run: dict[str, Any] = {}
     groups: dict[str, list[str]] = {}
     todo = policies(cfg, layout)
-    options = sampling_options(cfg)  # each policy on this stage's device in its dtype; one vLLM engine at a time
     for p in todo:  # every input checked before hours of sampling start
         fix = (f"rebuild it with `{stage_command(cfg, 'base')}`" if p.rid.startswith("base")
                else f"retrain it with `{stage_command(cfg, 'train', p.rid)}`")
@@ -245,13 +272,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         for p in todo:
             if bar is not None:
                 bar.numbers(note=p.rid)
-            t0 = time.time()
-            res, vectors = evaluate_policy(task, str(p.model_dir), rows, m=p.m, n_samples=ev.n_samples, ks=ev.k,
-                                           temperature=ev.temperature, max_new_tokens=p.max_new_tokens, seed=ev.seed,
-                                           num_weights=ev.num_weights, pool=ev.pool, prompt_fn=_prompt_fn(task, p),
-                                           **options)
-            release_policy()  # this policy's memory (model or vLLM engine) is free before the next one loads
-            res["seconds"] = round(time.time() - t0, 1)
+            res, vectors = evaluate_one(cfg, task, rows, p)
             _save_npy(tmp / "vectors" / layout.eval_vectors(p.rid).name, vectors)
             per_run[p.rid] = res
             groups.setdefault(p.arm, []).append(p.rid)
@@ -264,7 +285,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         # base model's (absolute 0.1 without a base evaluation)
         base_div = [r["reward_diversity"] for rid, r in per_run.items() if rid.startswith("base")]
         collapse = 0.1 * float(max(base_div)) if base_div else 0.1
-        agg = _aggregate(per_run, groups, collapse_threshold=collapse)
+        agg = aggregate_runs(per_run, groups, collapse_threshold=collapse)
         ks = [k for k in ev.k if all(str(k) in r["best_at_k"] for r in per_run.values())]
         oracle = _oracle(task, rows, ks)
         metrics = {"pipeline": cfg.name, "variant": cfg.variant, "quick": cfg.quick, "n_problems": len(rows),
@@ -276,9 +297,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
                    "pass_at_k": e["pass_at_k"][str(k)]["mean"]} for arm, e in agg.items() for k in ks]
         atomic_write_json(tmp / layout.eval_curves.name, curves)
         atomic_write_json(tmp / layout.eval_summary.name, _summary(agg, ks))
-        table = _pool_line(ev.pool) + _table(agg, ks) + _oracle_line(oracle, ks)
+        table = results_table(agg, ks, ev.pool, oracle)
         atomic_write_text(tmp / layout.eval_table.name, table)
-        _plot(agg, ks, tmp / layout.eval_plot.name, f"{cfg.variant}: held-out {ev.split}, {len(rows)} problems",
+        plot_best_at_k(agg, ks, tmp / layout.eval_plot.name, f"{cfg.variant}: held-out {ev.split}, {len(rows)} problems",
               oracle)
         _learning_plot(cfg, layout, tmp / layout.eval_learning_plot.name)
     table_out(table)

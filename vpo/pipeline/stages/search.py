@@ -23,17 +23,17 @@ import numpy as np
 
 from vpo.atomic import atomic_write_json, atomic_write_text
 from vpo.pipeline.config import PipelineConfig
-from vpo.pipeline.config.layout import RunLayout, arm_runs
+from vpo.pipeline.config.layout import ArmRun, RunLayout, arm_runs
 from vpo.pipeline.engine.console import log, progress
 from vpo.pipeline.engine.console import table as table_out
 from vpo.pipeline.engine.context import StageContext
 from vpo.pipeline.engine.errors import StageError
 from vpo.pipeline.engine.execution import concurrency, stage_threads, torch_threads
-from vpo.pipeline.engine.inputs import load_rows, read_json, read_npy, stage_command
+from vpo.pipeline.engine.inputs import read_json, read_npy, stage_command
 from vpo.pipeline.engine.policy import sampling_options
 from vpo.pipeline.engine.state import read_state, why_stale, write_state
 
-__all__ = ["run", "search_shard", "search_table"]
+__all__ = ["arm_proposer", "run", "search_budget", "search_options", "search_shard", "search_table", "select_problems"]
 
 
 def _fresh_checkpoints(ctx: StageContext, ck_dir: Path) -> None:
@@ -50,54 +50,63 @@ def _fresh_checkpoints(ctx: StageContext, ck_dir: Path) -> None:
         write_state(request, fp, "", {})
 
 
-def _selection(ctx: StageContext) -> tuple[list[dict[str, Any]], list[str], int]:
-    """The problems to search (the hardest subset first, then the next hardest), that subset, and k_max."""
+def select_problems(task: Any, rows: Sequence[Mapping[str, Any]], vectors: Mapping[str, np.ndarray], k_max: int,
+                    pool: str, n_problems: int) -> tuple[list[Mapping[str, Any]], list[str]]:
+    """The problems to search and the hardest subset, ranked by the evaluation ``vectors`` of some policies
+    (``{policy: (problems, chains, m, d)}``, rows in ``rows``' order): first the problems none of them
+    solves at best@k_max, hardest first, then the next hardest by their mean best@k_max, up to
+    ``n_problems``. "Solved" = the problem's best achievable scalar (route: 0.75; else 1)."""
     from vpo.evaluate import scalarise
     from vpo.metrics import pool_best_at_k
     from vpo.search import hardest_subset
 
-    cfg, layout, task, sc = ctx.cfg, ctx.layout, ctx.task, ctx.cfg.search
+    w_star = np.asarray(task.reward.w_star())
+    oracle = getattr(task, "best_scalar", None)
+    target = {str(r["id"]): float(oracle(r)) if callable(oracle) else 1.0 for r in rows}
+    per_policy: dict[str, dict[str, float]] = {}
+    for name, vec in vectors.items():
+        scal = scalarise(vec, w_star)
+        best = pool_best_at_k(scal, min(k_max, scal.shape[1] * scal.shape[2]), pool=pool)
+        per_policy[name] = {str(r["id"]): float(b) / target[str(r["id"])] for r, b in zip(rows, np.atleast_1d(best))}
+    hard = hardest_subset(per_policy, k=k_max, threshold=1.0 - 1e-6) if per_policy else []
+    mean_best = {pid: float(np.mean([v[pid] for v in per_policy.values()])) if per_policy else 0.0 for pid in target}
+    rest = sorted((pid for pid in target if pid not in set(hard)), key=lambda p: (mean_best[p], p))
+    by_id = {str(r["id"]): r for r in rows}
+    return [by_id[pid] for pid in (hard + rest)[:n_problems]], hard
+
+
+def _selection(ctx: StageContext) -> tuple[list[Mapping[str, Any]], list[str], int]:
+    """The problems to search, ranked by every arm run's evaluation, the hardest subset, and k_max."""
+    from vpo.pipeline.stages.evaluate import eval_rows
+
+    cfg, layout, sc = ctx.cfg, ctx.layout, ctx.cfg.search
     assert sc is not None
     fix = f"rebuild it with `{stage_command(cfg, 'evaluate')}`"
     ev = read_json(layout.eval_metrics, fix)
     k_max = max(int(k) for k in ev["k"] if all(str(k) in r["best_at_k"] for r in ev["runs"].values()))
-    rows = load_rows(cfg, cfg.evaluation.split, layout)
-    if cfg.evaluation.max_problems:
-        rows = rows[: cfg.evaluation.max_problems]
-    w_star = np.asarray(task.reward.w_star())
-    # "solved" = reaching the problem's best achievable scalar (route: 0.75), as the search counts it
-    oracle = getattr(task, "best_scalar", None)
-    target = {str(r["id"]): float(oracle(r)) if callable(oracle) else 1.0 for r in rows}
-    per_arm: dict[str, dict[str, float]] = {}
-    for rid in ev["runs"]:
-        if rid.startswith("base"):
-            continue
-        scal = scalarise(read_npy(layout.eval_vectors(rid), fix), w_star)
-        best = pool_best_at_k(scal, min(k_max, scal.shape[1] * scal.shape[2]), pool=ev.get("pool", "rollouts"))
-        per_arm[rid] = {str(r["id"]): float(b) / target[str(r["id"])] for r, b in zip(rows, np.atleast_1d(best))}
-    # the named "hardest" subset: no arm reaches the best achievable score at best@k_max (hardest first);
-    # the search takes it first, then the next hardest by mean best@k_max, up to n_problems
-    hard = hardest_subset(per_arm, k=k_max, threshold=1.0 - 1e-6) if per_arm else []
-    mean_best = {pid: float(np.mean([v[pid] for v in per_arm.values()])) for pid in target}
-    rest = sorted((pid for pid in target if pid not in set(hard)), key=lambda p: (mean_best[p], p))
-    by_id = {str(r["id"]): r for r in rows}
-    return [by_id[pid] for pid in (hard + rest)[: sc.n_problems]], hard, k_max
+    vectors = {rid: read_npy(layout.eval_vectors(rid), fix) for rid in ev["runs"] if not rid.startswith("base")}
+    selected, hard = select_problems(ctx.task, eval_rows(cfg, layout), vectors, k_max, ev.get("pool", "rollouts"),
+                                     sc.n_problems)
+    return selected, hard, k_max
+
+
+def arm_proposer(cfg: PipelineConfig, task: Any, run: ArmRun, model_dir: Path) -> Any:
+    """A run's checkpoint as a search proposer (loaded on first use), sampling as its arm trained."""
+    from vpo.search import ModelProposer
+
+    opts = sampling_options(cfg)  # on this stage's device in the policy's dtype; one vLLM engine at a time
+    return ModelProposer(str(model_dir), max_new_tokens=run.arm.completion_length(cfg.trainer),
+                         system_message=getattr(task, "system_prompt", None), backend=opts["backend"],
+                         load_kwargs=opts["load"], sample_kwargs={"engine": opts["engine"]})
 
 
 def _proposers(ctx: StageContext) -> dict[str, Any]:
     """Each arm's first-seed checkpoint as a proposer (loaded on first use)."""
-    from vpo.search import ModelProposer
-
-    cfg, layout = ctx.cfg, ctx.layout
-    opts = sampling_options(cfg)  # on this stage's device in the policy's dtype; one vLLM engine at a time
-    return {r.arm.name: ModelProposer(str(layout.arm_model(r.rid)), max_new_tokens=r.arm.completion_length(cfg.trainer),
-                                      system_message=getattr(ctx.task, "system_prompt", None),
-                                      backend=opts["backend"], load_kwargs=opts["load"],
-                                      sample_kwargs={"engine": opts["engine"]})
-            for r in arm_runs(cfg) if r.seed == r.arm.seeds[0]}
+    return {r.arm.name: arm_proposer(ctx.cfg, ctx.task, r, ctx.layout.arm_model(r.rid))
+            for r in arm_runs(ctx.cfg) if r.seed == r.arm.seeds[0]}
 
 
-def _search_options(cfg: PipelineConfig) -> dict[str, Any]:
+def search_options(cfg: PipelineConfig) -> dict[str, Any]:
     """The settings every arm's search shares (:func:`vpo.search.run_arms` / ``search_arm``)."""
     sc = cfg.search
     assert sc is not None
@@ -106,7 +115,7 @@ def _search_options(cfg: PipelineConfig) -> dict[str, Any]:
             "db_options": sc.database.model_dump()}
 
 
-def _budget(cfg: PipelineConfig) -> tuple[dict[str, int], int]:
+def search_budget(cfg: PipelineConfig) -> tuple[dict[str, int], int]:
     """Answers per call of each arm, and the candidate budget every arm gets."""
     sc = cfg.search
     assert sc is not None
@@ -123,11 +132,11 @@ def search_shard(ctx: StageContext, arm: str) -> dict[str, Any]:
     if arm not in proposers:
         raise StageError(f"search: no enabled arm {arm!r} in pipeline {ctx.cfg.name!r}; arms: {', '.join(proposers)}")
     selected, _, _ = _selection(ctx)
-    m_of, budget = _budget(ctx.cfg)
+    m_of, budget = search_budget(ctx.cfg)
     try:
         with torch_threads(stage_threads(ctx.cfg)):
             out = search_arm(selected, ctx.task, arm, proposers[arm], ctx.layout.search_checkpoints, m=m_of[arm],
-                             budget=budget, **_search_options(ctx.cfg))
+                             budget=budget, **search_options(ctx.cfg))
     except ValueError as exc:  # a checkpoint of another request: only the whole stage may start afresh
         if "checkpoint" not in str(exc):
             raise
@@ -177,7 +186,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     if sc.method == "openevolve":
         return _search_openevolve(cfg, layout, task, selected, out)
     proposers = _proposers(ctx)
-    m_of, budget = _budget(cfg)
+    m_of, budget = search_budget(cfg)
     _fresh_checkpoints(ctx, layout.search_checkpoints)
     bar = progress("search", len(proposers) * (2 if sc.baseline else 1), unit="runs") if ctx.progress else None
     searched_beside = _shards_side_by_side(ctx, list(proposers), bar)
@@ -191,7 +200,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     with torch_threads(stage_threads(cfg)):
         result = run_arms(task, selected, proposers, out, m=m_of, budget=budget, on_arm_done=arm_done,
                           title=f"{cfg.variant}: search on {len(selected)} held-out problems ({len(hard)} hardest first)",
-                          **_search_options(cfg))
+                          **search_options(cfg))
     if bar is not None:
         bar.numbers(note="")
         bar.close()
