@@ -184,3 +184,21 @@ def test_session_records_library_loggers_another_setup_disabled(tmp_path: Path, 
         assert console.warning_count() == 1
     assert "weights not used" in path.read_text()
     assert lib.disabled
+
+
+def test_session_records_python_warnings_when_another_capture_is_active(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``logging.captureWarnings(True)`` called earlier in the process and never undone (a library's
+    setup) makes a second call a no-op; a session's file still gets the Python warnings, and the
+    previous ``warnings.showwarning`` is back after it."""
+    monkeypatch.setattr(logging, "_warnings_showwarning", warnings.showwarning)  # as if captured before
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    before = warnings.showwarning
+    path = tmp_path / "x-run.log"
+    with console.session(path):
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.warn("a DeprecationWarning of some library", DeprecationWarning, stacklevel=1)
+        assert console.warning_count() == 1
+    assert "a DeprecationWarning of some library" in path.read_text()
+    assert warnings.showwarning is before

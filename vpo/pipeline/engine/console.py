@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -369,6 +370,12 @@ def _importable(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
+def _warning_to_log(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                    file: Any = None, line: str | None = None) -> None:
+    """``warnings.showwarning`` inside a session: the warning is a record of the ``py.warnings`` logger."""
+    logging.getLogger("py.warnings").warning("%s", warnings.formatwarning(message, category, filename, lineno, line))
+
+
 @contextmanager
 def session(path: Path | None, *, defer_tables: bool = False) -> Iterator[Path | None]:
     """Route output for one command: console lines and bars to the terminal, everything (console lines,
@@ -405,7 +412,8 @@ def session(path: Path | None, *, defer_tables: bool = False) -> Iterator[Path |
                 and (name == "py.warnings" or name.split(".")[0] in _LIBRARY_LOGGERS)]
     for lg in disabled:
         lg.disabled = False
-    logging.captureWarnings(True)
+    old_showwarning = warnings.showwarning  # Python warnings to the file (logging.captureWarnings does
+    warnings.showwarning = _warning_to_log  # nothing when something else captured them before and kept them)
     sys.stdout, sys.stderr = _Tee(old_out), _Tee(old_err)
     fh.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(sys.argv)}\n")
     try:
@@ -415,7 +423,7 @@ def session(path: Path | None, *, defer_tables: bool = False) -> Iterator[Path |
         raise
     finally:
         sys.stdout, sys.stderr = old_out, old_err
-        logging.captureWarnings(False)
+        warnings.showwarning = old_showwarning
         root.removeHandler(handler)
         root.removeHandler(counter)
         root.setLevel(old_level)
