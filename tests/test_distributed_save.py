@@ -23,10 +23,13 @@ SIZE = {"vocab_size": 48, "hidden_size": 16, "intermediate_size": 32, "num_hidde
 
 
 
-def _save_and_report(rank: int, out: str, save: Any, trained: dict[str, Any], initial: dict[str, Any],
-                     report: dict[str, Any]) -> None:
-    """Rank 0 writes the model through ``save`` and compares what ``from_pretrained`` loads back with the
-    trained weights (and how far training moved them); every rank writes its report to ``out``."""
+def _save_and_report(rank: int, out: str, sharded: Any, trained: dict[str, Any], initial: dict[str, Any]) -> None:
+    """Every rank takes part in the collective save of ``sharded``; rank 0 writes the model and compares
+    what ``from_pretrained`` loads back with the trained weights (and how far training moved them); every
+    rank writes its report to ``out``."""
+    kind_seen = sharding(sharded)
+    save = save_from_shards(sharded)  # the collective: every rank calls it
+    report: dict[str, Any] = {"rank": rank, "sharding": kind_seen, "save": save is not None}
     if rank == 0 and save is not None:
         from transformers import AutoModelForCausalLM
 
@@ -82,10 +85,7 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
         fully_shard(model)
         _train(model, rank)
         trained = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
-        kind_seen = sharding(model)
-        save = save_from_shards(model)  # the collective: every rank calls it
-        report: dict[str, Any] = {"rank": rank, "sharding": kind_seen, "save": save is not None}
-        _save_and_report(rank, out, save, trained, initial, report)
+        _save_and_report(rank, out, model, trained, initial)
     finally:
         dist.destroy_process_group()
 
@@ -145,10 +145,7 @@ def _zero3_rank(rank: int, world: int, port: int, out: str) -> None:
             engine.step()
         with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
             trained = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-        kind_seen = sharding(engine)
-        save = save_from_shards(engine)  # the collective: every rank calls it
-        report: dict[str, Any] = {"rank": rank, "sharding": kind_seen, "save": save is not None}
-        _save_and_report(rank, out, save, trained, initial, report)
+        _save_and_report(rank, out, engine, trained, initial)
     finally:
         dist.destroy_process_group()
 
