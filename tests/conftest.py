@@ -28,6 +28,10 @@ def pytest_configure(config: pytest.Config) -> None:
     """Set env defaults before any test module imports Prefect, DVC or great_expectations."""
     for key, value in _ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
+    if hasattr(config.option, "loadscopereorder"):
+        # xdist hands out groups by test count unless told not to; the order set below (longest first)
+        # is what lets the two workers overlap the long setups instead of queueing them on one worker
+        config.option.loadscopereorder = False
 
 
 _SHARED_GROUPS = {  # fixture -> the xdist group of every test that uses it (one worker builds it once)
@@ -37,7 +41,7 @@ _SHARED_GROUPS = {  # fixture -> the xdist group of every test that uses it (one
 }
 _SLOW_FIXTURES = {"quick_repo", "quick_flow"}  # a whole quick pipeline run, built once per session
 _SERVER_FIXTURES = {"prefect_api", "quick_flow", "s3_server", "s3_bucket", "quick_repo"}
-_FIRST = ("prefect", "quick_repo", "tests/test_real_chat.py")  # the longest groups start first
+_FIRST = ("prefect", "tests/test_real_chat.py", "quick_repo")  # the longest groups, one per worker first
 _GROUP = pytest.StashKey[str]()
 
 
@@ -58,7 +62,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(pytest.mark.xdist_group(group))
         item.stash[_GROUP] = group
     rank = {g: i for i, g in enumerate(_FIRST)}
-    items.sort(key=lambda it: rank.get(it.stash[_GROUP], len(rank)))  # stable: file order otherwise kept
+    slow_groups = {it.stash[_GROUP] for it in items if "slow" in it.keywords}
+    # then the other groups that hold slow tests, then the rest: a long group never starts last;
+    # stable: file order otherwise kept
+    items.sort(key=lambda it: (rank.get(it.stash[_GROUP], len(rank)), it.stash[_GROUP] not in slow_groups))
 
 
 @pytest.hookimpl(trylast=True)
