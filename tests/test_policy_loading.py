@@ -58,6 +58,27 @@ def test_sampling_options_follow_the_settings(tmp_path: Path) -> None:
         write_pipeline(tmp_path, evaluation={"vllm_gpu_memory_utilization": 1.5})
 
 
+def test_a_changed_sampling_dtype_makes_evaluate_and_search_stale(tmp_path: Path) -> None:
+    """Evaluation and search sample in ``model_init_kwargs``' dtype: it is part of their request, so a
+    changed dtype re-runs them (not only the train stage, whose request covers all of ``trainer``)."""
+    from vpo.pipeline.runner import fingerprint
+    from vpo.pipeline.steps import steps_of
+
+    def params(cfg: C.PipelineConfig, name: str) -> dict[str, Any]:
+        (step,) = steps_of(cfg, [name])
+        return fingerprint(cfg, step).params
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    plain = write_pipeline(tmp_path / "a")
+    half = write_pipeline(tmp_path / "b", trainer={"model_init_kwargs": {"dtype": "bfloat16"}})
+    for name in ("evaluate", "search"):
+        assert params(half, name)["trainer.model_init_kwargs"] == {"dtype": "bfloat16"}
+        assert "trainer.model_init_kwargs" not in params(plain, name)  # unset: the request of before
+        assert {k: v for k, v in params(half, name).items() if k != "trainer.model_init_kwargs"} == {
+            k: v for k, v in params(plain, name).items() if k != "trainer.model_init_kwargs"}
+
+
 def test_load_policy_puts_the_weights_on_the_device_in_the_dtype(tiny: Path) -> None:
     saved, _ = load_policy(tiny, device="cpu")
     assert saved.dtype == torch.float32 and saved.device == torch.device("cpu")  # "auto": as it was saved

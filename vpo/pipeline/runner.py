@@ -65,6 +65,8 @@ def fingerprint(cfg: PipelineConfig, step: Step, layout: RunLayout | None = None
             arm = settings["arms"][step.run.arm.name] if step.run else None
             params["arm"] = {k: v for k, v in arm.items() if k not in RUN_INDEPENDENT_ARM_KEYS} if arm else None
             params["seed"] = step.run.seed if step.run else None
+        elif key.startswith("trainer.") and key.split(".")[1] not in settings["trainer"]:
+            continue  # a TRL setting left at its default: absent from the request (settings() omits it too)
         else:
             params[key] = _dotted(settings, key)
     task_file = task_source_file(cfg.task.name)
