@@ -172,6 +172,23 @@ def test_vpo_plan_covers_the_evaluation_phase(capsys: pytest.CaptureFixture[str]
     assert "vLLM's KV budget" in out and "pre-flight of this environment's packages" in out
 
 
+def test_vpo_plan_json_holds_what_the_text_shows(capsys: pytest.CaptureFixture[str]) -> None:
+    """``vpo plan --json``: every arm's step, the evaluation phase and the pre-flight, as one object."""
+    from vpo.pipeline.memory import main
+
+    cfg = C.load_pipeline("code-qwen-coder", REPO / "pipelines.yaml")
+    main(cfg, device="h100-80gb")
+    text = capsys.readouterr().out
+    main(cfg, device="h100-80gb", as_json=True)
+    shown = json.loads(capsys.readouterr().out)
+    assert [a["label"] for a in shown["arms"]] and all(a["label"] in text for a in shown["arms"])
+    ev = shown["evaluation"]
+    assert ev["label"] in text and ev["dtype"] == "bfloat16" and ev["backend"] == "vllm"
+    assert ev["peak"] == sum(ev["components"].values()) + ev["runtime"] and ev["verdict"] in text
+    assert shown["preflight"]["of"] == "packages" and isinstance(shown["preflight"]["problems"], list)
+    assert all(line in text for line in shown["preflight"]["problems"])
+
+
 # ------------------------------------------------------------------------------ the train stage's model_init_kwargs
 
 

@@ -163,7 +163,8 @@ def _parser_and_handlers() -> tuple[argparse.ArgumentParser, dict[str, Handler]]
     p_plan.add_argument("--tflops", type=float, default=None, help="device dense TFLOP/s for the step time")
     p_plan.add_argument("--processes", type=int, default=None, help="world size (default: the accelerate config's)")
     p_plan.add_argument("--arm", default=None, help="only this arm")
-    p_plan.add_argument("--json", action="store_true", help="print the plans as JSON")
+    p_plan.add_argument("--json", action="store_true",
+                        help="print one JSON object: each arm's plan, the evaluation phase's and the pre-flight")
     return ap, handlers
 
 

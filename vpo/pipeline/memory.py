@@ -340,8 +340,10 @@ def main(cfg: PipelineConfig, *, device: str | None = None, memory_gib: float | 
     eval_label, eval_plan = evaluation_plan(cfg, device=dev, shape=shape)
     local = device is None and memory_gib is None
     pre = preflight_lines(cfg, local=local)
-    if as_json:
-        print(json.dumps([_plan_json(label, p) for label, p in plans], indent=2))
+    if as_json:  # what the text shows, as one object: each arm's step, the evaluation phase, the pre-flight
+        print(json.dumps({"arms": [_plan_json(label, p) for label, p in plans],
+                          "evaluation": _eval_json(eval_label, eval_plan),
+                          "preflight": {"of": "machine" if local else "packages", "problems": pre}}, indent=2))
     else:
         print(f"model config: {shape[2]}")
         for label, p in plans:
@@ -367,6 +369,13 @@ def main(cfg: PipelineConfig, *, device: str | None = None, memory_gib: float | 
         print(f"error: pipeline {cfg.name!r} cannot run on this machine (pre-flight above)", file=sys.stderr)
         failed += 1
     return 2 if failed else 0
+
+
+def _eval_json(label: str, p: EvalPlan) -> dict[str, Any]:
+    return {"label": label, "device": p.device.name, "device_memory": p.device.memory, "dtype": p.dtype,
+            "backend": p.backend, "sequences": p.sequences, "prompt_tokens": p.prompt_tokens,
+            "completion_tokens": p.completion_tokens, "peak": p.peak, "verdict": p.verdict,
+            "components": p.components, "runtime": p.runtime, "notes": p.notes}
 
 
 def _plan_json(label: str, p: MemoryPlan) -> dict[str, Any]:
