@@ -235,10 +235,11 @@ def _stage(args: argparse.Namespace, cfg: Any) -> int:
     layout = RunLayout.of(cfg)
     if os.environ.get(CHILD_ENV) and args.name == "train":  # a process started by `accelerate launch`
         from vpo.pipeline.engine.context import StageContext
-        from vpo.pipeline.stages.train import train
+        from vpo.pipeline.stages.train import leave_process_group, train
 
         for step in steps:
             train(StageContext(cfg, layout, "train", step.run))
+        leave_process_group()
         return 0
     if args.name == "train" and not os.environ.get(CHILD_ENV):
         from vpo.pipeline.engine.nodes import node_role

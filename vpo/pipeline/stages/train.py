@@ -63,7 +63,7 @@ from vpo.pipeline.memory import check_plan
 from vpo.rewards import VectorReward
 
 __all__ = ["CHILD_ENV", "HEADLINE", "ConsoleProgressCallback", "HarmlessMissingKeysFilter", "ProgressFileCallback",
-           "headline", "run"]
+           "headline", "leave_process_group", "run", "train"]
 
 REQUEST_FILE = "request.json"
 
@@ -498,4 +498,15 @@ def run(ctx: StageContext) -> dict[str, Any]:
             return _launch(ctx, ["stage", "train", *cfg.cli_args(), "--arm", ctx.arm_run.arm.name,
                                  "--seed", str(ctx.arm_run.seed)])
     with vllm_server_for(ctx):
-        return train(ctx)
+        result = train(ctx)
+    leave_process_group()
+    return result
+
+
+def leave_process_group() -> None:
+    """A launched rank that trained leaves its process group before the interpreter exits: left to
+    finalization, gloo's worker threads can abort the process (SIGABRT) after the work is done."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
