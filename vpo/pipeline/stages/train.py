@@ -498,14 +498,12 @@ def run(ctx: StageContext) -> dict[str, Any]:
             return _launch(ctx, ["stage", "train", *cfg.cli_args(), "--arm", ctx.arm_run.arm.name,
                                  "--seed", str(ctx.arm_run.seed)])
     with vllm_server_for(ctx):
-        result = train(ctx)
-    leave_process_group()
-    return result
+        return train(ctx)
 
 
 def leave_process_group() -> None:
-    """A launched rank that trained leaves its process group before the interpreter exits: left to
-    finalization, gloo's worker threads can abort the process (SIGABRT) after the work is done."""
+    """A launched rank leaves its process group once all its training is done, before the interpreter
+    exits: left to finalization, gloo's worker threads can abort the process (SIGABRT) after the work."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
